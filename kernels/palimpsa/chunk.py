@@ -1,0 +1,98 @@
+"""Chunked pure-JAX (XLA) backend with a memory-efficient custom VJP.
+
+A `lax.scan` walks the chunks; inside a chunk the states after every token are formed in
+parallel with one matrix multiply, decay (C x C) @ [v ⊗ k | beta ⊗ k²] (C x 2·Dv·Dk), then read
+out. The forward saves only the inputs and the (M, Ibar) state entering each chunk, so the saved
+residuals are O(B·H·(T/C)·Dv·Dk); the backward walks the chunks in reverse and recomputes each one
+under `jax.vjp`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels import chunking
+from kernels.palimpsa.naive import readout
+
+DEFAULT_CHUNK_SIZE = 32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _chunk_step(state, chunk, prior, reset, *, scale: float, return_variance: bool):
+    """One chunk: (M_in, Ibar_in) each (B, H, Dv, Dk) -> (M_out, Ibar_out), (o, variance).
+
+    chunk = (q, k, v, beta, log_alpha) with q, k: (B, H, C, Dk); v, beta: (B, H, C, Dv);
+    log_alpha: (B, H, C); reset: (B, 1, C) bool; prior: (H,).
+    """
+    M_in, Ibar_in = state
+    q, k, v, beta, log_alpha = (x.astype(jnp.float32) for x in chunk)
+    decay, from_start = chunking.chunk_decays(log_alpha, reset)
+    batch, heads, size, dv = v.shape
+    dk = k.shape[-1]
+    updates = jnp.concatenate([
+        (v[..., :, None] * k[..., None, :]).reshape(batch, heads, size, dv * dk),
+        (beta[..., :, None] * (k * k)[..., None, :]).reshape(batch, heads, size, dv * dk),
+    ], axis=-1)
+    summed = jnp.einsum("bhts,bhsx->bhtx", decay, updates, precision=_HIGHEST)
+    M_intra, Ibar_intra = jnp.split(summed.reshape(batch, heads, size, 2 * dv, dk), 2, axis=-2)
+    M = from_start[..., None, None] * M_in[:, :, None] + M_intra
+    Ibar = from_start[..., None, None] * Ibar_in[:, :, None] + Ibar_intra
+    out = readout(M, Ibar, prior[:, None, None, None], q, scale, return_variance)
+    return (M[:, :, -1], Ibar[:, :, -1]), out
+
+
+def _scan_forward(chunks, prior, state, reset, scale, return_variance):
+    def body(state_in, xs):
+        chunk, reset_c = xs
+        state_out, out = _chunk_step(state_in, chunk, prior, reset_c, scale=scale,
+                                     return_variance=return_variance)
+        return state_out, (out, state_in)
+
+    return jax.lax.scan(body, state, (chunks, reset))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked(chunks, prior, state, reset, scale, return_variance):
+    final_state, (out, _) = _scan_forward(chunks, prior, state, reset, scale, return_variance)
+    return out, final_state
+
+
+def _chunked_fwd(chunks, prior, state, reset, scale, return_variance):
+    final_state, (out, boundary_states) = _scan_forward(chunks, prior, state, reset, scale,
+                                                        return_variance)
+    return (out, final_state), (chunks, prior, boundary_states, reset)
+
+
+def _chunked_bwd(scale, return_variance, residuals, cotangents):
+    chunks, prior, boundary_states, reset = residuals
+    d_out, d_final_state = cotangents
+
+    def body(carry, xs):
+        d_state_out, d_prior = carry
+        chunk, state_in, reset_c, d_out_c = xs
+        step = functools.partial(_chunk_step, reset=reset_c, scale=scale,
+                                 return_variance=return_variance)
+        _, vjp = jax.vjp(step, state_in, chunk, prior)
+        d_state_in, d_chunk, d_prior_c = vjp((d_state_out, d_out_c))
+        return (d_state_in, d_prior + d_prior_c), d_chunk
+
+    (d_state, d_prior), d_chunks = jax.lax.scan(
+        body, (d_final_state, jnp.zeros_like(prior)), (chunks, boundary_states, reset, d_out),
+        reverse=True)
+    return d_chunks, d_prior, d_state, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+             return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`."""
+    chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
+    (o, variance), (M, Ibar) = _chunked(chunks, prior, (M0, Ibar0), reset, scale, return_variance)
+    length = q.shape[1]
+    if variance is not None:
+        variance = chunking.from_chunks(variance, length)
+    return chunking.from_chunks(o, length), variance, M, Ibar

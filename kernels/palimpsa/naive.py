@@ -1,0 +1,53 @@
+"""Sequential reference of the metaplastic recurrence (SPEC section 1, natural-parameter form).
+
+One `lax.scan` step per token over the float32 state (M, Ibar), both (B, H, Dv, Dk):
+
+    M_t    = alpha_t M_{t-1}    + v_t ⊗ k_t
+    Ibar_t = alpha_t Ibar_{t-1} + beta_t ⊗ k_t²
+    o_t    = scale (M_t / (Ibar_t + prior)) q_t
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def readout(M, Ibar, prior, q, scale: float, return_variance: bool):
+    """Posterior-mean read-out and predictive variance.
+
+    Args:
+      M, Ibar: (..., Dv, Dk) natural parameters; prior broadcastable to them.
+      q: (..., Dk) query.
+    Returns:
+      o: (..., Dv) = scale (M / I) q and variance (..., Dv) = scale² (1 / I) q², or None.
+    """
+    plasticity = 1.0 / (Ibar + prior)
+    o = scale * jnp.sum(M * plasticity * q[..., None, :], axis=-1)
+    variance = scale**2 * jnp.sum(plasticity * (q * q)[..., None, :], axis=-1) if return_variance else None
+    return o, variance
+
+
+def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float, return_variance: bool):
+    """Sequential scan over tokens.
+
+    Args:
+      q, k: (B, T, H, Dk); v, beta: (B, T, H, Dv); log_alpha: (B, T, H); prior: (H,) float32;
+      M0, Ibar0: (B, H, Dv, Dk) float32; reset: (B, T) bool.
+    Returns:
+      o (B, T, H, Dv) float32, variance (B, T, H, Dv) float32 or None, M_T, Ibar_T.
+    """
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+    prior = prior[:, None, None]
+
+    def step(state, token):
+        M, Ibar = state
+        q_t, k_t, v_t, beta_t, log_alpha_t, reset_t = token
+        alpha = jnp.where(reset_t[:, None], 0.0, jnp.exp(log_alpha_t))[..., None, None]
+        M = alpha * M + v_t[..., :, None] * k_t[..., None, :]
+        Ibar = alpha * Ibar + beta_t[..., :, None] * (k_t * k_t)[..., None, :]
+        return (M, Ibar), readout(M, Ibar, prior, q_t, scale, return_variance)
+
+    tokens = (f32(q), f32(k), f32(v), f32(beta), f32(log_alpha), jnp.moveaxis(reset, 1, 0))
+    (M, Ibar), (o, variance) = jax.lax.scan(step, (M0, Ibar0), tokens)
+    variance = None if variance is None else jnp.moveaxis(variance, 0, 1)
+    return jnp.moveaxis(o, 0, 1), variance, M, Ibar

@@ -1,0 +1,1 @@
+"""Palimpsa-JAX: metaplastic attention models on top of the `kernels` compute core."""

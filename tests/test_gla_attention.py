@@ -1,0 +1,96 @@
+"""kernels.gla_attention: every backend against independent float64 references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from references import gla_jax64, gla_numpy, random_inputs, relative_error
+
+BACKENDS = sorted(kernels.GLA_BACKENDS)
+shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.integers(1, 6),
+                   st.integers(1, 6))
+
+
+def call(backend, *args, chunk_size=None, **kwargs):
+    options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
+    return kernels.gla_attention(*args, backend=backend, **options, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16),
+       with_state=st.booleans(), with_segments=st.booleans(),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]))
+def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, with_segments, dtype):
+    B, T, H, Dk, Dv = shape
+    q, k, v, _, log_alpha, _, segment_ids = random_inputs(seed, B, T, H, Dk, Dv, dtype)
+    S0 = np.random.default_rng(seed).normal(size=(B, H, Dv, Dk)).astype(np.float32) if with_state else None
+    segment_ids = segment_ids if with_segments else None
+    o, S = call(backend, q, k, v, log_alpha, chunk_size=chunk_size, initial_state=S0,
+                segment_ids=segment_ids, return_final_state=True)
+    o_ref, S_ref = gla_numpy(q, k, v, log_alpha, Dk**-0.5, S0, segment_ids)
+    assert o.dtype == v.dtype and S.dtype == jnp.float32
+    assert relative_error(o, o_ref) < (1e-5 if dtype == np.float32 else 8e-3)
+    assert relative_error(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=10)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+       with_segments=st.booleans())
+def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
+    B, T, H, Dk, Dv = shape
+    q, k, v, _, log_alpha, _, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
+    segment_ids = segment_ids if with_segments else None
+    rng = np.random.default_rng(seed + 1)
+    S0 = rng.normal(size=(B, H, Dv, Dk)).astype(np.float32)
+    w_o, w_S = rng.normal(size=(B, T, H, Dv)), rng.normal(size=(B, H, Dv, Dk))
+
+    def grad(kernel):
+        def loss(*args):
+            o, S = kernel(*args)
+            return jnp.sum(w_o * o) + jnp.sum(w_S * S)
+        return jax.grad(loss, argnums=tuple(range(5)))
+
+    args = (q, k, v, log_alpha, S0)
+    grads = grad(lambda *a: call(backend, *a[:4], chunk_size=chunk_size, initial_state=a[4],
+                                 segment_ids=segment_ids, return_final_state=True))(*args)
+    grads_ref = grad(lambda *a: gla_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
+        *(jnp.asarray(x, jnp.float64) for x in args))
+    for name, g, g_ref in zip(["q", "k", "v", "log_alpha", "initial_state"], grads, grads_ref):
+        assert relative_error(g, g_ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_halves_equal_whole(backend):
+    q, k, v, _, log_alpha, _, _ = random_inputs(1, 2, 50, 2, 4, 3)
+    o, S = call(backend, q, k, v, log_alpha, chunk_size=16, return_final_state=True)
+    o1, S1 = call(backend, q[:, :21], k[:, :21], v[:, :21], log_alpha[:, :21], chunk_size=16,
+                  return_final_state=True)
+    o2, S2 = call(backend, q[:, 21:], k[:, 21:], v[:, 21:], log_alpha[:, 21:], chunk_size=16,
+                  initial_state=S1, return_final_state=True)
+    np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S2, S, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("argument,changes", [
+    ("q", dict(q=np.ones((2, 3)))),
+    ("v", dict(v=np.ones((1, 5, 2, 3), np.float32))),
+    ("v", dict(v=np.ones((2, 5, 2, 3), np.float64))),
+    ("log_alpha", dict(log_alpha=np.ones((2, 5, 2), np.float32))),
+    ("initial_state", dict(initial_state=np.ones((2, 2, 4, 3), np.float32))),
+    ("segment_ids", dict(segment_ids=np.zeros((2, 4), np.int32))),
+    ("backend", dict(backend="pallas_cpu")),
+])
+def test_bad_arguments_raise_value_error_naming_them(argument, changes):
+    rng = np.random.default_rng(0)
+    kwargs = dict(q=rng.normal(size=(2, 5, 2, 4)).astype(np.float32),
+                  k=rng.normal(size=(2, 5, 2, 4)).astype(np.float32),
+                  v=rng.normal(size=(2, 5, 2, 3)).astype(np.float32),
+                  log_alpha=-np.ones((2, 5, 2), np.float32))
+    kwargs.update(changes)
+    positional = [kwargs.pop(n) for n in ["q", "k", "v", "log_alpha"]]
+    with pytest.raises(ValueError, match=f"^{argument} "):
+        kernels.gla_attention(*positional, **kwargs)

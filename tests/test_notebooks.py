@@ -1,0 +1,18 @@
+"""Executes every notebooks/*.ipynb headless; any cell that raises fails that notebook's test."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
+def test_notebook_executes(path):
+    notebook = nbformat.read(path, as_version=4)
+    # "python3" is ipykernel's native kernel: jupyter_client launches it with sys.executable,
+    # so the notebook sees this interpreter; cwd is the repo root so `import kernels` works.
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT)}}).execute()

@@ -1,0 +1,259 @@
+"""kernels.palimpsa_attention: every backend against independent float64 references."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from references import (gla_numpy, palimpsa_jax64, palimpsa_numpy, random_inputs,
+                        relative_error)
+
+BACKENDS = sorted(kernels.PALIMPSA_BACKENDS)
+CHUNKED = [b for b in BACKENDS if b != "reference"]
+
+
+def call(backend, *args, chunk_size=None, **kwargs):
+    options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
+    return kernels.palimpsa_attention(*args, backend=backend, **options, **kwargs)
+
+
+def random_state(seed, B, H, Dv, Dk):
+    rng = np.random.default_rng(seed)
+    mu = rng.normal(size=(B, H, Dv, Dk)).astype(np.float32)
+    importance = rng.uniform(0.2, 5.0, size=(B, H, Dv, Dk)).astype(np.float32)
+    return mu, importance
+
+
+shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.integers(1, 6),
+                   st.integers(1, 6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 8, 16]), seed=st.integers(0, 2**16),
+       with_state=st.booleans(), with_segments=st.booleans(),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]))
+def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, with_segments, dtype):
+    B, T, H, Dk, Dv = shape
+    q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(seed, B, T, H, Dk, Dv, dtype)
+    state = random_state(seed, B, H, Dv, Dk) if with_state else None
+    segment_ids = segment_ids if with_segments else None
+    o, (mu, importance), var = call(backend, q, k, v, beta, log_alpha, prior, chunk_size=chunk_size,
+                                    initial_state=state, segment_ids=segment_ids,
+                                    return_final_state=True, return_variance=True)
+    o_ref, (mu_ref, I_ref), var_ref = palimpsa_numpy(q, k, v, beta, log_alpha, prior, Dk**-0.5,
+                                                     state, segment_ids)
+    assert o.dtype == v.dtype and o.shape == (B, T, H, Dv)
+    assert mu.dtype == importance.dtype == var.dtype == jnp.float32
+    # Accumulation is float32 whatever the inputs; a bf16 output is only rounded once.
+    assert relative_error(o, o_ref) < (1e-5 if dtype == np.float32 else 8e-3)
+    for actual, expected in [(mu, mu_ref), (importance, I_ref), (var, var_ref)]:
+        assert relative_error(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=10)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+       with_segments=st.booleans())
+def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
+    B, T, H, Dk, Dv = shape
+    q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
+    segment_ids = segment_ids if with_segments else None
+    mu0, I0 = random_state(seed + 1, B, H, Dv, Dk)
+    rng = np.random.default_rng(seed + 2)
+    w_o, w_var = rng.normal(size=(2, B, T, H, Dv))
+    w_mu, w_I = rng.normal(size=(2, B, H, Dv, Dk))
+
+    def loss(kernel):
+        def f(q, k, v, beta, log_alpha, prior, mu0, I0):
+            o, (mu, importance), var = kernel(q, k, v, beta, log_alpha, prior, mu0, I0)
+            return (jnp.sum(w_o * o) + jnp.sum(w_var * var) + jnp.sum(w_mu * mu)
+                    + jnp.sum(w_I * importance))
+        return jax.grad(f, argnums=tuple(range(8)))
+
+    args = (q, k, v, beta, log_alpha, prior, mu0, I0)
+    grads = loss(lambda *a: call(backend, *a[:6], chunk_size=chunk_size, initial_state=a[6:],
+                                 segment_ids=segment_ids, return_final_state=True,
+                                 return_variance=True))(*args)
+    grads_ref = loss(lambda *a: palimpsa_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
+        *(jnp.asarray(x, jnp.float64) for x in args))
+    names = ["q", "k", "v", "beta", "log_alpha", "prior", "mu0", "I0"]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.dtype == jnp.asarray(args[names.index(name)]).dtype, name
+        assert relative_error(g, g_ref) < 2e-5, name
+
+
+def test_float64_references_agree():
+    q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(0, 2, 23, 2, 4, 3)
+    mu0, I0 = random_state(1, 2, 2, 3, 4)
+    expected = palimpsa_numpy(q, k, v, beta, log_alpha, prior, 0.7, (mu0, I0), segment_ids)
+    actual = palimpsa_jax64(q, k, v, beta, log_alpha, prior, jnp.asarray(mu0, jnp.float64),
+                            jnp.asarray(I0, jnp.float64), 0.7, segment_ids)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert relative_error(a, e) < 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split", [1, 13, 32, 47])
+def test_two_halves_equal_whole(backend, split):
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(3, 2, 48, 2, 5, 4)
+    run = lambda sl, state: call(backend, q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
+                                 log_alpha[:, sl], prior, chunk_size=8, initial_state=state,
+                                 return_final_state=True)
+    o, state = run(slice(None), None)
+    o1, state1 = run(slice(None, split), None)
+    o2, state2 = run(slice(split, None), state1)
+    np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o, rtol=2e-5, atol=2e-6)
+    for a, b in zip(state2, state):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_equal_separate_runs(backend):
+    lengths = [5, 17, 1, 9]
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(4, 1, sum(lengths), 2, 3, 4)
+    segment_ids = np.repeat(np.arange(len(lengths)), lengths)[None]
+    state = random_state(5, 1, 2, 4, 3)
+    o, final = call(backend, q, k, v, beta, log_alpha, prior, chunk_size=8, initial_state=state,
+                    segment_ids=segment_ids, return_final_state=True)
+    start = 0
+    for i, n in enumerate(lengths):
+        sl = slice(start, start + n)
+        o_i, final_i = call(backend, q[:, sl], k[:, sl], v[:, sl], beta[:, sl], log_alpha[:, sl],
+                            prior, chunk_size=8, initial_state=state if i == 0 else None,
+                            return_final_state=True)
+        np.testing.assert_allclose(o[:, sl], o_i, rtol=2e-5, atol=2e-6)
+        start += n
+    for a, b in zip(final, final_i):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_precision_is_gla_over_prior(backend):
+    """beta = 0 keeps I = prior exactly, so the read-out is the GLA output divided by the prior."""
+    q, k, v, _, log_alpha, prior, segment_ids = random_inputs(6, 2, 30, 3, 4, 5)
+    o = call(backend, q, k, v, np.zeros_like(v), log_alpha, prior, segment_ids=segment_ids)
+    o_gla, _ = gla_numpy(q, k, v, log_alpha, 4**-0.5, segment_ids=segment_ids)
+    assert relative_error(o, o_gla / prior[:, None]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_prior_tends_to_gla(backend):
+    """Mamba2 is the forgetting-dominated limit: prior * o -> o_GLA with error O(1 / prior)."""
+    q, k, v, beta, log_alpha, _, _ = random_inputs(7, 1, 40, 2, 4, 3)
+    o_gla, _ = gla_numpy(q, k, v, log_alpha, 0.5)
+    errors = []
+    for prior in [1e1, 1e2, 1e3, 1e4]:
+        o = call(backend, q, k, v, beta, log_alpha, np.full(2, prior, np.float32))
+        errors.append(relative_error(prior * np.asarray(o, np.float64), o_gla))
+    assert errors[-1] < 1e-3
+    ratios = np.array(errors[:-1]) / np.array(errors[1:])
+    assert np.all((ratios > 5) & (ratios < 20)), errors
+
+
+EXTREMES = {
+    "no_forgetting": dict(log_alpha=0.0),
+    "total_forgetting": dict(log_alpha=-1e4),
+    "zero_precision": dict(beta=0.0),
+    "huge_precision": dict(beta=1e4),
+    "tiny_prior": dict(prior=1e-4),
+    "huge_prior": dict(prior=1e4),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(EXTREMES))
+def test_extreme_gates_stay_finite_and_accurate(backend, case):
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(8, 1, 33, 2, 3, 2)
+    inputs = dict(beta=beta, log_alpha=log_alpha, prior=prior)
+    for name, value in EXTREMES[case].items():
+        inputs[name] = np.full_like(inputs[name], value)
+    o, (mu, importance), var = call(backend, q, k, v, inputs["beta"], inputs["log_alpha"],
+                                    inputs["prior"], chunk_size=8, return_final_state=True,
+                                    return_variance=True)
+    expected = palimpsa_numpy(q, k, v, inputs["beta"], inputs["log_alpha"], inputs["prior"], 3**-0.5)
+    for actual, ref in zip([o, mu, importance, var], jax.tree.leaves(expected)):
+        assert np.all(np.isfinite(actual))
+        assert relative_error(actual, ref) < 1e-4
+    grads = jax.grad(lambda *a: jnp.sum(call(backend, *a, chunk_size=8)), argnums=tuple(range(6)))(
+        q, k, v, inputs["beta"], inputs["log_alpha"], inputs["prior"])
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("length", [1, 16384])
+def test_sequence_length_extremes(backend, length):
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(9, 1, length, 1, 2, 2)
+    o, state = call(backend, q, k, v, beta, log_alpha, prior, return_final_state=True)
+    o_ref, state_ref, _ = palimpsa_numpy(q, k, v, beta, log_alpha, prior, 2**-0.5)
+    assert relative_error(o, o_ref) < 1e-5
+    assert all(relative_error(a, b) < 1e-5 for a, b in zip(state, state_ref))
+
+
+@pytest.mark.parametrize("backend", CHUNKED)
+def test_saved_residuals_are_chunk_boundary_states(backend):
+    """The backward keeps the inputs and one state per chunk: O(B·H·(T/C)·Dv·Dk), not O(T·Dv·Dk)."""
+    B, T, H, Dk, Dv, C = 1, 256, 1, 16, 16, 32
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(10, B, T, H, Dk, Dv)
+    args = (q, k, v, beta, log_alpha, prior)
+    saved = lambda backend, **kw: sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(
+            jax.vjp(lambda *a: call(backend, *a, **kw), *args)[1]))
+    inputs = sum(np.asarray(x).nbytes for x in args)
+    boundary_states = 2 * (T // C + 1) * B * H * Dv * Dk * 4
+    assert saved(backend, chunk_size=C) <= 2 * inputs + boundary_states
+    # The sequential reference keeps every state, which the bound above must exclude.
+    assert saved("reference") > 2 * inputs + boundary_states
+
+
+def _bad_arguments():
+    q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(11, 2, 6, 2, 3, 4)
+    good = dict(q=q, k=k, v=v, beta=beta, log_alpha=log_alpha, prior=prior)
+    state = random_state(0, 2, 2, 4, 3)
+    return good, [
+        ("q", dict(q=q[..., 0])),
+        ("k", dict(k=k[:, :5])),
+        ("v", dict(v=v[:, :, :1])),
+        ("beta", dict(beta=beta[..., :3])),
+        ("log_alpha", dict(log_alpha=log_alpha[..., None])),
+        ("prior", dict(prior=prior[:1])),
+        ("k", dict(k=k.astype(jnp.bfloat16))),
+        ("beta", dict(beta=beta.astype(np.float16))),
+        ("q", dict(q=q.astype(np.int32), k=k.astype(np.int32), v=v.astype(np.int32),
+                   beta=beta.astype(np.int32))),
+        ("prior", dict(prior=np.array([1.0, 0.0], np.float32))),
+        ("prior", dict(prior=np.array([1.0, -2.0], np.float32))),
+        ("log_alpha", dict(log_alpha=np.abs(log_alpha) + 0.1)),
+        ("beta", dict(beta=-beta)),
+        ("segment_ids", dict(segment_ids=segment_ids[:, :3])),
+        ("segment_ids", dict(segment_ids=segment_ids.astype(np.float32))),
+        ("initial_state", dict(initial_state=state[0])),
+        ("initial_state[I]", dict(initial_state=(state[0], state[1][..., :2]))),
+        ("initial_state[I]", dict(initial_state=(state[0], -state[1]))),
+        ("scale", dict(scale=-1.0)),
+        ("backend", dict(backend="cuda")),
+        ("chunk_size", dict(backend="reference", chunk_size=8)),
+        ("chunk_size", dict(backend="xla", chunk_size=0)),
+    ]
+
+
+@pytest.mark.parametrize("argument,changes", _bad_arguments()[1],
+                         ids=[f"{a}-{i}" for i, (a, _) in enumerate(_bad_arguments()[1])])
+def test_bad_arguments_raise_value_error_naming_them(argument, changes):
+    good = _bad_arguments()[0]
+    kwargs = {**good, **changes}
+    positional = [kwargs.pop(n) for n in ["q", "k", "v", "beta", "log_alpha", "prior"]]
+    with pytest.raises(ValueError, match=f"^{re.escape(argument)} "):
+        kernels.palimpsa_attention(*positional, **kwargs)
+
+
+def test_values_are_not_checked_under_jit():
+    """Shapes are checked at trace time; values only when concrete (documented behaviour)."""
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(12, 1, 4, 1, 2, 2)
+    jitted = jax.jit(kernels.palimpsa_attention)
+    assert np.all(np.isfinite(jitted(q, k, v, beta, log_alpha, prior)))
+    with pytest.raises(ValueError, match="prior"):
+        jitted(q, k, v, beta, log_alpha, prior[None])
