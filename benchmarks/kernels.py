@@ -5,7 +5,9 @@ input, under `jax.jit`) of each `palimpsa_attention` backend, per chunk size for
 ones, and of `gla_attention` (the non-metaplastic speed of light), over the SPEC section 6
 shapes. Every row is set against the authors' Triton kernel and the SPEC ceiling. Before a
 shape is timed, each chunked backend is checked in float32 against the sequential reference;
-the exit status is 1 if any relative error exceeds the tolerance or any case fails.
+the exit status is 1 if any relative error exceeds the tolerance, a case fails or a shape is
+left out by --time-limit-s. Backends that cannot run on the platform (pallas_gpu on a CPU) are
+named in the header and left out.
 
     python benchmarks/kernels.py                      # SPEC shapes, bf16
     python benchmarks/kernels.py --small              # tiny shapes, a CPU smoke run
@@ -121,6 +123,16 @@ class Variant:
         return fn(**xs, backend=self.backend, chunk_size=self.chunk_size)
 
 
+def unavailable_reason(backend: str) -> str | None:
+    """Why a palimpsa backend cannot run on this platform (tried on a tiny input), or None."""
+    xs, _ = make_inputs(jax.random.key(0), Shape("probe", 1, 4, 1, 2, 2), jnp.float32)
+    try:
+        jax.block_until_ready(Variant("palimpsa", backend)(xs))
+    except Exception as e:  # e.g. a GPU-only backend on CPU
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
 def variants(op: str, backends, chunk_sizes) -> list[Variant]:
     """One variant per backend, and per chunk size for the chunked backends."""
     out = []
@@ -229,7 +241,8 @@ def benchmark(shape: Shape, variant: Variant, input_sets, args) -> Result:
             result.compiled_bytes[pass_] = compiled_peak_bytes(compiled)
             times = time_ms(compiled, argument_sets, args.repeats, args.budget_s)
             result.median_ms[pass_] = statistics.median(times)
-            print(f"  {shape.name:12s} {variant.label:30s} {pass_:8s} median {result.median_ms[pass_]:9.3f} ms"
+            print(f"  {shape.name:12s} {variant.label:30s} {pass_:8s} "
+                  f"median {result.median_ms[pass_]:9.3f} ms"
                   f"  min {min(times):9.3f}  max {max(times):9.3f}  n={len(times):2d}"
                   f"  (compile {compile_s:.1f} s)", flush=True)
     except Exception as e:  # an OOM or compiler failure ends this case, not the sweep
@@ -270,56 +283,64 @@ def fmt(x, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table with header `head`."""
+    lines = [head, ["---"] * len(head), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def timing_row(r: Result, has_allocator: bool) -> list[str]:
+    """Medians, Triton figures, % of the ceiling and peaks of one (shape, variant)."""
+    ms = {p: r.median_ms.get(p) for p in PASSES}
+    pct = {p: None if ms[p] is None else 100 * r.shape.ceiling_ms(p) / ms[p] for p in PASSES}
+    gib = {p: None if p not in r.compiled_bytes else r.compiled_bytes[p] / GIB for p in PASSES}
+    triton = "—" if r.shape.triton is None else "{} / {}, {}".format(*r.shape.triton)
+    row = [f"{r.shape.name} {r.shape.dims}", r.variant.label,
+           fmt(ms["fwd"]), fmt(ms["fwd+bwd"]), triton,
+           fmt(pct["fwd"], ".2g"), fmt(pct["fwd+bwd"], ".2g"),
+           f"{fmt(gib['fwd'], '.3g')} / {fmt(gib['fwd+bwd'], '.3g')}"]
+    if has_allocator:
+        row.append(("" if r.allocator_rose else "≤ ") + fmt(r.allocator_bytes / GIB, ".3g"))
+    if r.error:
+        row[2] = f"failed: {r.error}"
+    return row
+
+
 def timing_table(results: list[Result], has_allocator: bool) -> str:
     """Markdown table, one row per (shape, variant)."""
-    head = ["shape (B, T, H, Dk, Dv)", "kernel", "fwd ms", "fwd+bwd ms", "Triton fwd / fwd+bwd ms, peak GiB",
-            "fwd % ceiling", "fwd+bwd % ceiling", "peak GiB fwd / fwd+bwd (compiled)"]
-    if has_allocator:
-        head.append("peak GiB (allocator)")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        ms = lambda p: r.median_ms.get(p)
-        gib = lambda p: None if p not in r.compiled_bytes else r.compiled_bytes[p] / GIB
-        pct = lambda p: None if ms(p) is None else 100 * r.shape.ceiling_ms(p) / ms(p)
-        triton = "—" if r.shape.triton is None else "{} / {}, {}".format(*r.shape.triton)
-        row = [f"{r.shape.name} {r.shape.dims}", r.variant.label,
-               fmt(ms("fwd")), fmt(ms("fwd+bwd")), triton,
-               fmt(pct("fwd"), ".2g"), fmt(pct("fwd+bwd"), ".2g"),
-               f"{fmt(gib('fwd'), '.3g')} / {fmt(gib('fwd+bwd'), '.3g')}"]
-        if has_allocator:
-            row.append(("" if r.allocator_rose else "≤ ") + fmt(r.allocator_bytes / GIB, ".3g"))
-        if r.error:
-            row[2] = f"failed: {r.error}"
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    head = ["shape (B, T, H, Dk, Dv)", "kernel", "fwd ms", "fwd+bwd ms",
+            "Triton fwd / fwd+bwd ms, peak GiB", "fwd % ceiling", "fwd+bwd % ceiling",
+            "peak GiB fwd / fwd+bwd (compiled)"] + ["peak GiB (allocator)"] * has_allocator
+    return markdown_table(head, [timing_row(r, has_allocator) for r in results])
 
 
 def check_table(rows: list[tuple]) -> str:
     """Markdown table of relative errors, one row per (shape, variant)."""
     names = ["o", "dq", "dk", "dv", "dbeta", "dlog_alpha", "dprior"]
-    head = ["shape (B, T, H, Dk, Dv)", "kernel vs reference"] + names + ["max", "pass"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["shape (B, T, H, Dk, Dv)", "kernel vs reference", *names, "max", "pass"]
+    table = []
     for shape, variant, errors in rows:
         worst = max(errors.values())
-        cells = [fmt(errors.get(n), ".1e") for n in names]
-        ok = "yes" if worst <= TOLERANCE else "**NO**"
-        lines.append("| " + " | ".join([f"{shape.name} {shape.dims}", variant.label, *cells,
-                                        f"{worst:.1e}", ok]) + " |")
-    return "\n".join(lines)
+        table.append([f"{shape.name} {shape.dims}", variant.label,
+                      *(fmt(errors.get(n), ".1e") for n in names),
+                      f"{worst:.1e}", "yes" if worst <= TOLERANCE else "**NO**"])
+    return markdown_table(head, table)
 
 
-def header(args) -> str:
+def header(args, unavailable: dict) -> str:
     device = jax.devices()[0]
-    return "\n".join([
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+    lines = [
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
         f"- device: {device.device_kind} ({device.platform}, {jax.device_count()} device(s))",
         f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {platform.python_version()}",
-        f"- inputs: q, k, v, beta {args.dtype}; log_alpha, prior float32; "
-        f"{args.input_sets} input sets in rotation",
-        f"- timing: median of up to {args.repeats} calls after one warm-up call per input set, "
-        f"capped at {args.budget_s:g} s of calls per pass (at least 3); host clock around "
-        "`block_until_ready`",
-    ])
+        (f"- inputs: q, k, v, beta {args.dtype}; log_alpha, prior float32; "
+         f"{args.input_sets} input sets in rotation"),
+        (f"- timing: median of up to {args.repeats} calls after one warm-up call per input set, "
+         f"capped at {args.budget_s:g} s of calls per pass (at least 3); host clock around "
+         "`block_until_ready`"),
+    ]
+    lines += [f"- backend {b} does not run here: {why}" for b, why in unavailable.items()]
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -329,7 +350,7 @@ def parse_args(argv=None):
                        default=[s.name for s in SPEC_SHAPES], help="shapes to run (SPEC by default)")
     which.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     parser.add_argument("--backends", nargs="+", choices=sorted(kernels.PALIMPSA_BACKENDS),
-                        default=sorted(kernels.PALIMPSA_BACKENDS), help="palimpsa backends to time")
+                        help="palimpsa backends to time and check (default: all that run here)")
     parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[16, 32, 64],
                         help="chunk sizes of the chunked palimpsa backends")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -352,12 +373,15 @@ def main(argv=None) -> int:
     shapes = [SHAPES[name] for name in args.shapes]
     dtype = jnp.dtype(args.dtype)
     gla = Variant("gla", "xla", default_chunk_size("gla", "xla"))
-    timed = variants("palimpsa", args.backends, args.chunk_sizes) + [gla]
-    checked = variants("palimpsa", [b for b in kernels.PALIMPSA_BACKENDS if b != "reference"],
-                       args.chunk_sizes)
+    unavailable = {b: unavailable_reason(b) for b in kernels.PALIMPSA_BACKENDS}
+    unavailable = {b: why for b, why in unavailable.items() if why}
+    backends = args.backends or [b for b in kernels.PALIMPSA_BACKENDS if b not in unavailable]
+    timed = variants("palimpsa", backends, args.chunk_sizes) + [gla]
+    checked = variants("palimpsa", [b for b in backends if b != "reference"], args.chunk_sizes)
     key = jax.random.key(args.seed)
     start = time.perf_counter()
-    print(header(args), flush=True)
+    setup = header(args, unavailable)
+    print(setup, flush=True)
 
     check_rows, results, skipped = [], [], []
     for shape in shapes:
@@ -375,18 +399,18 @@ def main(argv=None) -> int:
 
     has_allocator = allocator_peak_bytes() is not None
     notes = [
-        "Ceiling: SPEC section 6, 0.15 ms fwd / 0.5 ms fwd+bwd at the LM shape's 604M "
-        "state-element updates, scaled by B·T·H·Dv·Dk; % ceiling = ceiling / measured.",
+        ("Ceiling: SPEC section 6, 0.15 ms fwd / 0.5 ms fwd+bwd at the LM shape's 604M "
+         "state-element updates, scaled by B·T·H·Dv·Dk; % ceiling = ceiling / measured."),
         "Triton: the authors' kernel (chunk 16) on one H200, from SPEC section 6.",
-        "Peak (compiled): `memory_analysis()` of the jitted program, arguments + outputs + "
-        "temporaries.",
+        ("Peak (compiled): `memory_analysis()` of the jitted program, arguments + outputs + "
+         "temporaries."),
     ]
     if has_allocator:
         notes.append("Peak (allocator): `device.memory_stats()['peak_bytes_in_use']` after the "
                      "case; JAX cannot reset it, so it is the process's running maximum, and '≤' "
                      "marks a case that did not raise it.")
     report = "\n\n".join(filter(None, [
-        "## Setup\n\n" + header(args),
+        "## Setup\n\n" + setup,
         "## Timing\n\n" + timing_table(results, has_allocator) + "\n\n"
         + "\n".join(f"- {n}" for n in notes),
         check_rows and "## fp32 agreement with the reference backend (relative error, batch 1)\n\n"

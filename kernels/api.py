@@ -15,10 +15,12 @@ from kernels.gla import chunk as gla_chunk
 from kernels.gla import naive as gla_naive
 from kernels.palimpsa import chunk as palimpsa_chunk
 from kernels.palimpsa import naive as palimpsa_naive
+from kernels.palimpsa import pallas_gpu as palimpsa_pallas_gpu
 
 PALIMPSA_BACKENDS = {
     "reference": palimpsa_naive.palimpsa,
     "xla": palimpsa_chunk.palimpsa,
+    "pallas_gpu": palimpsa_pallas_gpu.palimpsa,
 }
 GLA_BACKENDS = {
     "reference": gla_naive.gla,
@@ -26,23 +28,26 @@ GLA_BACKENDS = {
 }
 
 
-def _resolve(backend: str, registry: dict, chunk_size):
-    """Returns the backend function and its keyword options."""
+def _resolve(backend: str, registry: dict, **options):
+    """Returns the backend function and the options given (not None), which it must accept.
+
+    "auto" is the fastest backend of the current platform: pallas_gpu on GPUs, else xla.
+    """
     if backend == "auto":
-        backend = "xla"
+        backend = "pallas_gpu" if jax.default_backend() == "gpu" and "pallas_gpu" in registry else "xla"
     if backend not in registry:
         raise ValueError(f"backend must be 'auto' or one of {sorted(registry)}, got {backend!r}")
     fn = registry[backend]
-    if chunk_size is None:
-        return fn, {}
-    if "chunk_size" not in inspect.signature(fn).parameters:
-        raise ValueError(f"chunk_size is not an option of backend {backend!r}")
-    return fn, {"chunk_size": chunk_size}
+    options = {name: value for name, value in options.items() if value is not None}
+    for name in options:
+        if name not in inspect.signature(fn).parameters:
+            raise ValueError(f"{name} is not an option of backend {backend!r}")
+    return fn, options
 
 
 def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_state=None,
                        segment_ids=None, return_final_state=False, return_variance=False,
-                       backend="auto", chunk_size=None):
+                       backend="auto", chunk_size=None, interpret=None):
     """Metaplastic attention: o_t = scale (M_t / (Ibar_t + prior)) q_t (SPEC section 1).
 
     Args:
@@ -53,8 +58,9 @@ def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_s
       segment_ids: optional (B, T) integers; the state resets at every change of id.
       return_final_state: also return the final (mu, I), float32.
       return_variance: also return the predictive variance (B, T, H, Dv), float32.
-      backend: "reference", "xla" or "auto".
+      backend: "reference", "xla", "pallas_gpu" or "auto" (pallas_gpu on GPUs, else xla).
       chunk_size: tokens per chunk for the chunked backends (backend default if None).
+      interpret: Pallas backends only; True runs the kernel in Pallas interpret mode (any platform).
     Returns:
       o (B, T, H, Dv) in v's dtype, or the tuple (o, final_state, variance) holding only the
       requested extras in that order.
@@ -68,7 +74,7 @@ def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_s
     validation.check_values("prior", prior, lambda p: p > 0, "> 0 for every head")
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = _resolve(backend, PALIMPSA_BACKENDS, chunk_size)
+    fn, options = _resolve(backend, PALIMPSA_BACKENDS, chunk_size=chunk_size, interpret=interpret)
 
     scale = dk**-0.5 if scale is None else float(scale)
     prior = jnp.asarray(prior, jnp.float32)
@@ -108,7 +114,7 @@ def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment
     batch, length, heads, dk, dv = validation.check_qkv(q, k, v, log_alpha)
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = _resolve(backend, GLA_BACKENDS, chunk_size)
+    fn, options = _resolve(backend, GLA_BACKENDS, chunk_size=chunk_size)
 
     scale = dk**-0.5 if scale is None else float(scale)
     state_shape = (batch, heads, dv, dk)

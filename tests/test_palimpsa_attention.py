@@ -17,7 +17,10 @@ CHUNKED = [b for b in BACKENDS if b != "reference"]
 
 
 def call(backend, *args, chunk_size=None, **kwargs):
+    """Calls a backend; chunked ones get `chunk_size`, Pallas ones run in interpret mode on CPU."""
     options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
+    if backend.startswith("pallas") and jax.default_backend() == "cpu":
+        options["interpret"] = True
     return kernels.palimpsa_attention(*args, backend=backend, **options, **kwargs)
 
 
@@ -56,7 +59,7 @@ def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, wit
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=10)
-@given(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16),
        with_segments=st.booleans())
 def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
     B, T, H, Dk, Dv = shape

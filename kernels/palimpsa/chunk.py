@@ -4,7 +4,7 @@ A `lax.scan` walks the chunks; inside a chunk the states after every token are f
 parallel with one matrix multiply, decay (C x C) @ [v ⊗ k | beta ⊗ k²] (C x 2·Dv·Dk), then read
 out. The forward saves only the inputs and the (M, Ibar) state entering each chunk, so the saved
 residuals are O(B·H·(T/C)·Dv·Dk); the backward walks the chunks in reverse and recomputes each one
-under `jax.vjp`.
+under `jax.vjp`. The custom VJP is shared: a Pallas kernel can supply the forward (`chunked`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kernels import chunking
 from kernels.palimpsa.naive import readout
 
-DEFAULT_CHUNK_SIZE = 32
+DEFAULT_CHUNK_SIZE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -43,29 +43,42 @@ def _chunk_step(state, chunk, prior, reset, *, scale: float, return_variance: bo
     return (M[:, :, -1], Ibar[:, :, -1]), out
 
 
-def _scan_forward(chunks, prior, state, reset, scale, return_variance):
+def xla_forward(chunks, prior, state, reset, *, scale: float, return_variance: bool):
+    """Chunked forward as a `lax.scan` over chunks.
+
+    Args:
+      chunks: (q, k, v, beta, log_alpha) in chunk layout (N, B, H, C, ...); prior: (H,) float32;
+      state: (M0, Ibar0), each (B, H, Dv, Dk) float32; reset: (N, B, 1, C) bool.
+    Returns:
+      (o, variance or None) in chunk layout (float32), the final (M, Ibar), and the states
+      entering each chunk, each (N, B, H, Dv, Dk).
+    """
     def body(state_in, xs):
         chunk, reset_c = xs
         state_out, out = _chunk_step(state_in, chunk, prior, reset_c, scale=scale,
                                      return_variance=return_variance)
         return state_out, (out, state_in)
 
-    return jax.lax.scan(body, state, (chunks, reset))
+    final_state, (out, boundary_states) = jax.lax.scan(body, state, (chunks, reset))
+    return out, final_state, boundary_states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked(chunks, prior, state, reset, scale, return_variance):
-    final_state, (out, _) = _scan_forward(chunks, prior, state, reset, scale, return_variance)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked(chunks, prior, state, reset, scale, return_variance, forward):
+    out, final_state, _ = forward(chunks, prior, state, reset, scale=scale,
+                                  return_variance=return_variance)
     return out, final_state
 
 
-def _chunked_fwd(chunks, prior, state, reset, scale, return_variance):
-    final_state, (out, boundary_states) = _scan_forward(chunks, prior, state, reset, scale,
-                                                        return_variance)
+def _chunked_fwd(chunks, prior, state, reset, scale, return_variance, forward):
+    out, final_state, boundary_states = forward(chunks, prior, state, reset, scale=scale,
+                                                return_variance=return_variance)
     return (out, final_state), (chunks, prior, boundary_states, reset)
 
 
-def _chunked_bwd(scale, return_variance, residuals, cotangents):
+def _chunked_bwd(scale, return_variance, forward, residuals, cotangents):
+    """Reverse scan over chunks, recomputing each from its saved entering state under jax.vjp."""
+    del forward
     chunks, prior, boundary_states, reset = residuals
     d_out, d_final_state = cotangents
 
@@ -87,12 +100,23 @@ def _chunked_bwd(scale, return_variance, residuals, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-             return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Chunked backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`."""
+def chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+            return_variance: bool, chunk_size: int, forward=xla_forward):
+    """Runs a chunked `forward` (XLA or a Pallas kernel) under the shared custom VJP.
+
+    Same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
+    """
     chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
-    (o, variance), (M, Ibar) = _chunked(chunks, prior, (M0, Ibar0), reset, scale, return_variance)
+    (o, variance), (M, Ibar) = _chunked(chunks, prior, (M0, Ibar0), reset, scale,
+                                        return_variance, forward)
     length = q.shape[1]
     if variance is not None:
         variance = chunking.from_chunks(variance, length)
     return chunking.from_chunks(o, length), variance, M, Ibar
+
+
+def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+             return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked XLA backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`."""
+    return chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
+                   return_variance=return_variance, chunk_size=chunk_size)
