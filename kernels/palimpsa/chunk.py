@@ -63,25 +63,13 @@ def xla_forward(chunks, prior, state, reset, *, scale: float, return_variance: b
     return out, final_state, boundary_states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _chunked(chunks, prior, state, reset, scale, return_variance, forward):
-    out, final_state, _ = forward(chunks, prior, state, reset, scale=scale,
-                                  return_variance=return_variance)
-    return out, final_state
+def xla_backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, scale: float,
+                 return_variance: bool):
+    """Reverse scan over chunks, recomputing each from its saved entering state under jax.vjp.
 
-
-def _chunked_fwd(chunks, prior, state, reset, scale, return_variance, forward):
-    out, final_state, boundary_states = forward(chunks, prior, state, reset, scale=scale,
-                                                return_variance=return_variance)
-    return (out, final_state), (chunks, prior, boundary_states, reset)
-
-
-def _chunked_bwd(scale, return_variance, forward, residuals, cotangents):
-    """Reverse scan over chunks, recomputing each from its saved entering state under jax.vjp."""
-    del forward
-    chunks, prior, boundary_states, reset = residuals
-    d_out, d_final_state = cotangents
-
+    Args: the forward's inputs and residuals (see `xla_forward`), d_out = (d_o, d_variance or
+    None) in chunk layout and d_final_state = (dM, dIbar). Returns (d_chunks, d_prior, d_state).
+    """
     def body(carry, xs):
         d_state_out, d_prior = carry
         chunk, state_in, reset_c, d_out_c = xs
@@ -94,6 +82,28 @@ def _chunked_bwd(scale, return_variance, forward, residuals, cotangents):
     (d_state, d_prior), d_chunks = jax.lax.scan(
         body, (d_final_state, jnp.zeros_like(prior)), (chunks, boundary_states, reset, d_out),
         reverse=True)
+    return d_chunks, d_prior, d_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _chunked(chunks, prior, state, reset, scale, return_variance, forward, backward):
+    out, final_state, _ = forward(chunks, prior, state, reset, scale=scale,
+                                  return_variance=return_variance)
+    return out, final_state
+
+
+def _chunked_fwd(chunks, prior, state, reset, scale, return_variance, forward, backward):
+    out, final_state, boundary_states = forward(chunks, prior, state, reset, scale=scale,
+                                                return_variance=return_variance)
+    return (out, final_state), (chunks, prior, boundary_states, reset)
+
+
+def _chunked_bwd(scale, return_variance, forward, backward, residuals, cotangents):
+    chunks, prior, boundary_states, reset = residuals
+    d_out, d_final_state = cotangents
+    d_chunks, d_prior, d_state = backward(chunks, prior, boundary_states, reset, d_out,
+                                          d_final_state, scale=scale,
+                                          return_variance=return_variance)
     return d_chunks, d_prior, d_state, None
 
 
@@ -101,14 +111,14 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-            return_variance: bool, chunk_size: int, forward=xla_forward):
-    """Runs a chunked `forward` (XLA or a Pallas kernel) under the shared custom VJP.
+            return_variance: bool, chunk_size: int, forward=xla_forward, backward=xla_backward):
+    """Runs a chunked `forward` and `backward` (XLA or Pallas kernels) as one custom VJP.
 
     Same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
     """
     chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
     (o, variance), (M, Ibar) = _chunked(chunks, prior, (M0, Ibar0), reset, scale,
-                                        return_variance, forward)
+                                        return_variance, forward, backward)
     length = q.shape[1]
     if variance is not None:
         variance = chunking.from_chunks(variance, length)

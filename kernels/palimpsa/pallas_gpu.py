@@ -22,34 +22,41 @@ from kernels.palimpsa import chunk
 
 DEFAULT_BLOCK_V = 16
 DEFAULT_NUM_WARPS = 4
+# Enough programs to fill an H200 (132 SMs) several times over; fewer (b, h, v-tile) programs
+# than this split the time axis (see `_split_entering_states`).
+TARGET_PROGRAMS = 1024
 
 
 def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
             o_ref, var_ref, M_bound_ref, Ibar_bound_ref, M_ref, Ibar_ref,
             *, scale: float, dk: int, dv: int):
-    """One (b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
+    """One (split, b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
     num_chunks, chunk_size, dk_pad = q_ref.shape
     block_v = v_ref.shape[-1]
-    rows = pl.program_id(2) * block_v + jnp.arange(block_v)
+    rows = pl.program_id(3) * block_v + jnp.arange(block_v)
     k_mask = jnp.arange(dk_pad) < dk
     v_mask = rows < dv
     tile_mask = v_mask[:, None] & k_mask[None, :]
-    prior = prior_ref[pl.program_id(1)]
+    prior = prior_ref[pl.program_id(2)]
     M = plgpu.load(M0_ref, mask=tile_mask, other=0.0)
     Ibar = plgpu.load(Ibar0_ref, mask=tile_mask, other=0.0)
     token = jnp.arange(chunk_size)
+
+    def load_row(ref, n, i, mask):
+        return plgpu.load(ref.at[n, i], mask=mask, other=0.0).astype(jnp.float32)
 
     def chunk(n, state):
         M, Ibar = state
         plgpu.store(M_bound_ref.at[n], M, mask=tile_mask)
         plgpu.store(Ibar_bound_ref.at[n], Ibar, mask=tile_mask)
         alphas = decay_ref[n]
-        for i in map(jnp.int32, range(chunk_size)):  # unrolled; array indices for interpret mode
+        # Unrolled; every load of the chunk is issued before the recurrence needs it.
+        steps = list(map(jnp.int32, range(chunk_size)))  # array indices for interpret mode
+        tokens = [(load_row(q_ref, n, i, k_mask), load_row(k_ref, n, i, k_mask),
+                   load_row(v_ref, n, i, v_mask), load_row(beta_ref, n, i, v_mask))
+                  for i in steps]
+        for i, (q, k, v, beta) in zip(steps, tokens):
             alpha = jnp.sum(jnp.where(token == i, alphas, 0.0))
-            q = plgpu.load(q_ref.at[n, i], mask=k_mask, other=0.0).astype(jnp.float32)
-            k = plgpu.load(k_ref.at[n, i], mask=k_mask, other=0.0).astype(jnp.float32)
-            v = plgpu.load(v_ref.at[n, i], mask=v_mask, other=0.0).astype(jnp.float32)
-            beta = plgpu.load(beta_ref.at[n, i], mask=v_mask, other=0.0).astype(jnp.float32)
             M = alpha * M + v[:, None] * k[None, :]
             Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
             plasticity = 1.0 / (Ibar + prior)
@@ -65,15 +72,69 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
     plgpu.store(Ibar_ref, Ibar, mask=tile_mask)
 
 
+def _without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
+                      o_ref, *refs, **kwargs):
+    _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref, o_ref, None,
+            *refs, **kwargs)
+
+
+def _tokens_of_splits(x, splits: int):
+    """(N, B, H, C, ...) -> (S, B, H, (N / S)·C, ...): the tokens of each time split, in order."""
+    num_chunks, batch, heads, chunk_size = x.shape[:4]
+    x = x.reshape(splits, num_chunks // splits, batch, heads, chunk_size, *x.shape[4:])
+    x = jnp.moveaxis(x, 1, 3)
+    return x.reshape(splits, batch, heads, -1, *x.shape[5:])
+
+
+def _split_entering_states(chunks, state, reset, splits: int):
+    """The (M, Ibar) entering each of `splits` equal time splits, each (S, B, H, Dv, Dk).
+
+    A split's own contribution to its end state is sum_t w_t v_t ⊗ k_t (and beta_t ⊗ k_t²) with
+    w_t = prod_{u > t in split} alpha_u (0 across a reset): one batched matmul. A short scan
+    then carries the state across splits: S_{s+1} = (prod_split alpha) S_s + end_s.
+    """
+    q, k, v, beta, log_alpha = chunks
+    f32 = lambda x: _tokens_of_splits(x.astype(jnp.float32), splits)
+    k, v, beta, log_alpha = f32(k), f32(v), f32(beta), f32(log_alpha)
+    reset = _tokens_of_splits(reset, splits)
+    def exclusive_tail_sum(x):  # sum over u > t, without cancellation
+        tail = jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)
+        return jnp.concatenate([tail[..., 1:], jnp.zeros_like(tail[..., :1])], -1)
+
+    weight = jnp.where(exclusive_tail_sum(reset.astype(jnp.int32)) > 0, 0.0,
+                       jnp.exp(exclusive_tail_sum(log_alpha)))
+    precision = jax.lax.Precision.HIGHEST
+    M_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", weight, v, k, precision=precision)
+    Ibar_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", weight, beta, k * k, precision=precision)
+    carry = jnp.where(jnp.any(reset, -1), 0.0, jnp.exp(jnp.sum(log_alpha, -1)))[..., None, None]
+
+    def cross(state, split):
+        carry_s, M_s, Ibar_s = split
+        return (carry_s * state[0] + M_s, carry_s * state[1] + Ibar_s), state
+
+    _, entering = jax.lax.scan(cross, state, (carry, M_end, Ibar_end))
+    return entering
+
+
+def _time_splits(num_chunks: int, programs: int) -> int:
+    """Largest power-of-two S dividing num_chunks with S·programs <= TARGET_PROGRAMS."""
+    splits = 1
+    while num_chunks % (2 * splits) == 0 and 2 * splits * programs <= TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
 def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
             interpret: bool = False, block_v: int = DEFAULT_BLOCK_V,
-            num_warps: int = DEFAULT_NUM_WARPS):
+            num_warps: int = DEFAULT_NUM_WARPS, time_splits: int | None = None):
     """Chunked forward; same contract as `kernels.palimpsa.chunk.xla_forward`.
 
     Args:
       chunks: (q, k, v, beta, log_alpha) in chunk layout, q, k: (N, B, H, C, Dk); v, beta:
         (N, B, H, C, Dv); log_alpha: (N, B, H, C). prior: (H,) float32.
       state: (M0, Ibar0), each (B, H, Dv, Dk) float32. reset: (N, B, 1, C) bool.
+      time_splits: S parallel splits of the chunks (a divisor of N); None picks one so that
+        about TARGET_PROGRAMS programs run.
     Returns:
       (o, variance or None) in chunk layout (float32), the final (M, Ibar), and the states
       entering each chunk, each (N, B, H, Dv, Dk).
@@ -83,54 +144,190 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     dv = v.shape[-1]
     dk_pad = pl.next_power_of_2(dk)
     block_v = min(block_v, pl.next_power_of_2(dv))
+    v_tiles = pl.cdiv(dv, block_v)
+    splits = time_splits or _time_splits(num_chunks, batch * heads * v_tiles)
+    if num_chunks % splits:
+        raise ValueError(f"time_splits must divide the number of chunks {num_chunks}, got {splits}")
+    entering = (jax.tree.map(lambda x: x[None], state) if splits == 1 else
+                _split_entering_states(chunks, state, reset, splits))
     decay = jnp.where(reset, 0.0, jnp.exp(log_alpha))
     prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
+    per_split = num_chunks // splits
 
     token_spec = lambda width: pl.BlockSpec(
-        (num_chunks, None, None, chunk_size, width), lambda b, h, j: (0, b, h, 0, 0))
-    value_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, block_v),
-                              lambda b, h, j: (0, b, h, 0, j))
-    state_spec = pl.BlockSpec((None, None, block_v, dk_pad), lambda b, h, j: (b, h, j, 0))
-    bound_spec = pl.BlockSpec((num_chunks, None, None, block_v, dk_pad),
-                              lambda b, h, j: (0, b, h, j, 0))
-    state_shape = jax.ShapeDtypeStruct((batch, heads, dv, dk), jnp.float32)
+        (per_split, None, None, chunk_size, width), lambda s, b, h, j: (s, b, h, 0, 0))
+    value_spec = pl.BlockSpec((per_split, None, None, chunk_size, block_v),
+                              lambda s, b, h, j: (s, b, h, 0, j))
+    state_spec = pl.BlockSpec((None, None, None, block_v, dk_pad),
+                              lambda s, b, h, j: (s, b, h, j, 0))
+    bound_spec = pl.BlockSpec((per_split, None, None, block_v, dk_pad),
+                              lambda s, b, h, j: (s, b, h, j, 0))
+    state_shape = jax.ShapeDtypeStruct((splits, batch, heads, dv, dk), jnp.float32)
     bound_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, dk), jnp.float32)
     out_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, chunk_size, dv), jnp.float32)
+    num_outputs = 2 if return_variance else 1
 
     with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
         outputs = pl.pallas_call(
             functools.partial(_kernel if return_variance else _without_variance, scale=scale,
                               dk=dk, dv=dv),
-            grid=(batch, heads, pl.cdiv(dv, block_v)),
+            grid=(splits, batch, heads, v_tiles),
             in_specs=[token_spec(dk_pad), token_spec(dk_pad), value_spec, value_spec,
-                      pl.BlockSpec((num_chunks, None, None, chunk_size), lambda b, h, j: (0, b, h, 0)),
-                      pl.BlockSpec(prior_pad.shape, lambda b, h, j: (0,)),
+                      pl.BlockSpec((per_split, None, None, chunk_size),
+                                   lambda s, b, h, j: (s, b, h, 0)),
+                      pl.BlockSpec(prior_pad.shape, lambda s, b, h, j: (0,)),
                       state_spec, state_spec],
-            out_specs=[value_spec] * (2 if return_variance else 1) + [bound_spec] * 2 + [state_spec] * 2,
-            out_shape=[out_shape] * (2 if return_variance else 1) + [bound_shape] * 2 + [state_shape] * 2,
+            out_specs=[value_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
+            out_shape=[out_shape] * num_outputs + [bound_shape] * 2 + [state_shape] * 2,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret,
             name="palimpsa_forward",
-        )(q, k, v, beta, decay, prior_pad, *state)
-    if return_variance:
-        o, variance, M_bound, Ibar_bound, M, Ibar = outputs
-    else:
-        (o, M_bound, Ibar_bound, M, Ibar), variance = outputs, None
-    return (o, variance), (M, Ibar), (M_bound, Ibar_bound)
+        )(q, k, v, beta, decay, prior_pad, *entering)
+    out = (outputs[0], outputs[1] if return_variance else None)
+    M_bound, Ibar_bound, M_last, Ibar_last = outputs[num_outputs:]
+    return out, (M_last[-1], Ibar_last[-1]), (M_bound, Ibar_bound)
 
 
-def _without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
-                      o_ref, *refs, **kwargs):
-    _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref, o_ref, None,
-            *refs, **kwargs)
+def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
+                     Ibar_bound_ref, d_o_ref, d_var_ref, dM_ref, dIbar_ref,
+                     dq_ref, dk_ref, dv_ref, dbeta_ref, d_decay_ref, d_prior_ref, dM0_ref,
+                     dIbar0_ref, *, scale: float, dk: int, dv: int):
+    """One (b, h, v-tile) program of the backward, walking the chunks in reverse.
+
+    Each chunk's states are recomputed in registers from its entering state; then, token by
+    token in reverse, the state cotangents (GM, GI) = (dL/dM_t, dL/dIbar_t) take the read-out's
+    direct terms, give the inputs' gradients, and are decayed by alpha_t. dq, dk and the
+    decay/prior gradients are partial sums over this v-tile.
+    """
+    num_chunks, chunk_size, dk_pad = q_ref.shape
+    block_v = v_ref.shape[-1]
+    rows = pl.program_id(2) * block_v + jnp.arange(block_v)
+    k_mask = jnp.arange(dk_pad) < dk
+    v_mask = rows < dv
+    tile_mask = v_mask[:, None] & k_mask[None, :]
+    prior = prior_ref[pl.program_id(1)]
+    token = jnp.arange(chunk_size)
+
+    def load_row(ref, n, i, mask):
+        return plgpu.load(ref.at[n, i], mask=mask, other=0.0).astype(jnp.float32)
+
+    def chunk(r, carry):
+        GM, GI, d_prior = carry
+        n = num_chunks - 1 - r
+        steps = list(map(jnp.int32, range(chunk_size)))
+        alphas = decay_ref[n]
+        alpha = [jnp.sum(jnp.where(token == i, alphas, 0.0)) for i in steps]
+        tokens = [(load_row(q_ref, n, i, k_mask), load_row(k_ref, n, i, k_mask),
+                   load_row(v_ref, n, i, v_mask), load_row(beta_ref, n, i, v_mask),
+                   load_row(d_o_ref, n, i, v_mask),
+                   None if d_var_ref is None else load_row(d_var_ref, n, i, v_mask))
+                  for i in steps]
+        Ms = [plgpu.load(M_bound_ref.at[n], mask=tile_mask, other=0.0)]
+        Ibars = [plgpu.load(Ibar_bound_ref.at[n], mask=tile_mask, other=0.0)]
+        for a, (q, k, v, beta, _, _) in zip(alpha, tokens):
+            Ms.append(a * Ms[-1] + v[:, None] * k[None, :])
+            Ibars.append(a * Ibars[-1] + beta[:, None] * (k * k)[None, :])
+        d_decay = jnp.zeros((chunk_size,), jnp.float32)
+        for t in reversed(range(chunk_size)):
+            i = steps[t]
+            q, k, v, beta, d_o, d_var = tokens[t]
+            plasticity = 1.0 / (Ibars[t + 1] + prior)
+            mu = Ms[t + 1] * plasticity
+            GM = GM + scale * d_o[:, None] * q[None, :] * plasticity
+            d_precision = scale * d_o[:, None] * q[None, :] * mu
+            dq = scale * jnp.sum(d_o[:, None] * mu, axis=0)
+            if d_var is not None:
+                d_precision += scale * scale * d_var[:, None] * (q * q)[None, :] * plasticity
+                dq += 2 * scale * scale * q * jnp.sum(d_var[:, None] * plasticity, axis=0)
+            d_precision = -plasticity * d_precision
+            d_prior += jnp.sum(d_precision, axis=1)
+            GI = GI + d_precision
+            plgpu.store(dq_ref.at[n, i], dq, mask=k_mask)
+            plgpu.store(dk_ref.at[n, i], jnp.sum(GM * v[:, None], axis=0)
+                        + 2 * k * jnp.sum(GI * beta[:, None], axis=0), mask=k_mask)
+            plgpu.store(dv_ref.at[n, i], jnp.sum(GM * k[None, :], axis=1), mask=v_mask)
+            plgpu.store(dbeta_ref.at[n, i], jnp.sum(GI * (k * k)[None, :], axis=1), mask=v_mask)
+            d_alpha = jnp.sum(GM * Ms[t] + GI * Ibars[t])
+            d_decay = jnp.where(token == i, d_alpha, d_decay)
+            GM, GI = alpha[t] * GM, alpha[t] * GI
+        d_decay_ref[n] = d_decay
+        return GM, GI, d_prior
+
+    GM = plgpu.load(dM_ref, mask=tile_mask, other=0.0)
+    GI = plgpu.load(dIbar_ref, mask=tile_mask, other=0.0)
+    GM, GI, d_prior = jax.lax.fori_loop(0, num_chunks, chunk,
+                                        (GM, GI, jnp.zeros((block_v,), jnp.float32)))
+    plgpu.store(dM0_ref, GM, mask=tile_mask)
+    plgpu.store(dIbar0_ref, GI, mask=tile_mask)
+    plgpu.store(d_prior_ref, d_prior, mask=v_mask)
+
+
+def _backward_without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
+                               Ibar_bound_ref, d_o_ref, *refs, **kwargs):
+    _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
+                     Ibar_bound_ref, d_o_ref, None, *refs, **kwargs)
+
+
+def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, scale: float,
+             return_variance: bool, interpret: bool = False, block_v: int = DEFAULT_BLOCK_V,
+             num_warps: int = DEFAULT_NUM_WARPS):
+    """Pallas backward; same contract as `kernels.palimpsa.chunk.xla_backward`."""
+    q, k, v, beta, log_alpha = chunks
+    num_chunks, batch, heads, chunk_size, dk = q.shape
+    dv = v.shape[-1]
+    dk_pad = pl.next_power_of_2(dk)
+    block_v = min(block_v, pl.next_power_of_2(dv))
+    v_tiles = pl.cdiv(dv, block_v)
+    decay = jnp.where(reset, 0.0, jnp.exp(log_alpha))
+    prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
+    d_o, d_var = d_out
+
+    token_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, dk_pad),
+                              lambda b, h, j: (0, b, h, 0, 0))
+    value_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, block_v),
+                              lambda b, h, j: (0, b, h, 0, j))
+    decay_spec = pl.BlockSpec((num_chunks, None, None, chunk_size), lambda b, h, j: (0, b, h, 0))
+    state_spec = pl.BlockSpec((None, None, block_v, dk_pad), lambda b, h, j: (b, h, j, 0))
+    bound_spec = pl.BlockSpec((num_chunks, None, None, block_v, dk_pad),
+                              lambda b, h, j: (0, b, h, j, 0))
+    partial_spec = lambda *block: pl.BlockSpec(
+        (None, *block), lambda b, h, j: (j, 0, b, h, 0, 0)[:len(block) + 1])
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    variance = [d_var] if return_variance else []
+    with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
+        dq, dk_, dv_, dbeta, d_decay, d_prior, dM0, dIbar0 = pl.pallas_call(
+            functools.partial(_backward_kernel if return_variance else _backward_without_variance,
+                              scale=scale, dk=dk, dv=dv),
+            grid=(batch, heads, v_tiles),
+            in_specs=[token_spec, token_spec, value_spec, value_spec, decay_spec,
+                      pl.BlockSpec(prior_pad.shape, lambda b, h, j: (0,)), bound_spec, bound_spec,
+                      value_spec] + [value_spec] * len(variance) + [state_spec, state_spec],
+            out_specs=[partial_spec(num_chunks, None, None, chunk_size, dk_pad)] * 2
+                      + [value_spec] * 2
+                      + [partial_spec(num_chunks, None, None, chunk_size),
+                         pl.BlockSpec((None, None, block_v), lambda b, h, j: (b, h, j)),
+                         state_spec, state_spec],
+            out_shape=[f32(v_tiles, num_chunks, batch, heads, chunk_size, dk)] * 2
+                      + [f32(num_chunks, batch, heads, chunk_size, dv)] * 2
+                      + [f32(v_tiles, num_chunks, batch, heads, chunk_size), f32(batch, heads, dv),
+                         f32(batch, heads, dv, dk), f32(batch, heads, dv, dk)],
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name="palimpsa_backward",
+        )(q, k, v, beta, decay, prior_pad, *boundary_states, d_o, *variance, *d_final_state)
+    d_log_alpha = jnp.sum(d_decay, 0) * decay
+    d_chunks = tuple(g.astype(x.dtype) for g, x in zip(
+        (jnp.sum(dq, 0), jnp.sum(dk_, 0), dv_, dbeta, d_log_alpha), chunks))
+    return d_chunks, jnp.sum(d_prior, axis=(0, 2)), (dM0, dIbar0)
 
 
 def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
              return_variance: bool, chunk_size: int = 16, interpret: bool = False,
-             block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS):
+             block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
+             time_splits: int | None = None):
     """Pallas GPU backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
 
-    The forward is the Pallas kernel; the backward is the shared chunked recompute in XLA.
+    Forward and backward are Pallas kernels under the shared chunked custom VJP.
     `interpret=True` runs the same kernel body in Pallas interpret mode on any platform.
     """
     if not interpret and jax.default_backend() != "gpu":
@@ -139,6 +336,10 @@ def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
                          "interpret mode")
     if chunk_size & (chunk_size - 1) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a power of two for pallas_gpu, got {chunk_size}")
-    kernel = functools.partial(forward, interpret=interpret, block_v=block_v, num_warps=num_warps)
-    return chunk.chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
-                         return_variance=return_variance, chunk_size=chunk_size, forward=kernel)
+    return chunk.chunked(
+        q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
+        return_variance=return_variance, chunk_size=chunk_size,
+        forward=functools.partial(forward, interpret=interpret, block_v=block_v,
+                                  num_warps=num_warps, time_splits=time_splits),
+        backward=functools.partial(backward, interpret=interpret, block_v=block_v,
+                                   num_warps=num_warps))

@@ -1,0 +1,100 @@
+"""Tuning sweep of the Pallas GPU kernels: block_v x num_warps (x chunk size) per shape.
+
+Checks every configuration in float32 against the xla backend (forward and all gradients) on a
+small shape, then times forward and forward+backward on the chosen SPEC shapes, within a time
+limit. Prints a Markdown table last.
+
+    python benchmarks/pallas_gpu_sweep.py --shapes lm_170m long_seq --configs 16,4,16 8,2,16
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import statistics
+import sys
+import time
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.palimpsa import pallas_gpu  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("kernel_benchmark", _HERE / "kernels.py")
+bench = sys.modules["kernel_benchmark"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def attention(xs, block_v: int, num_warps: int, chunk_size: int):
+    """palimpsa_attention through the pallas_gpu backend with explicit tuning options."""
+    B, T, H, Dk = xs["q"].shape
+    Dv = xs["v"].shape[-1]
+    zeros = jnp.zeros((B, H, Dv, Dk), jnp.float32)
+    o, _, _, _ = pallas_gpu.palimpsa(
+        xs["q"], xs["k"], xs["v"], xs["beta"], xs["log_alpha"], xs["prior"], zeros, zeros,
+        jnp.zeros((B, T), bool), scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
+        block_v=block_v, num_warps=num_warps)
+    return o.astype(xs["v"].dtype)
+
+
+def loss_and_grads(fn):
+    return jax.jit(jax.value_and_grad(lambda xs, w: jnp.vdot(fn(xs).astype(jnp.float32), w)))
+
+
+def check(config, key) -> float:
+    """Largest relative error of o and of every gradient against xla, fp32, small shape."""
+    xs, w = bench.make_inputs(key, bench.Shape("check", 2, 512, 4, 48, 48), jnp.float32)
+    fn = lambda xs: attention(xs, *config)
+    xla = lambda xs: kernels.palimpsa_attention(**xs, backend="xla")
+    errors = [bench.relative_error(jax.jit(fn)(xs), jax.jit(xla)(xs))]
+    (_, grads), (_, grads_xla) = loss_and_grads(fn)(xs, w), loss_and_grads(xla)(xs, w)
+    errors += [bench.relative_error(grads[n], grads_xla[n]) for n in grads]
+    return max(errors)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["lm_170m", "long_seq"],
+                        choices=sorted(bench.SHAPES))
+    parser.add_argument("--configs", nargs="+", default=["16,4,16", "8,1,16", "8,2,16", "16,2,16"],
+                        help="block_v,num_warps,chunk_size triples")
+    parser.add_argument("--time-limit-s", type=float, default=300)
+    args = parser.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    start = time.perf_counter()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    failed = False
+    for config in configs:
+        error = check(config, jax.random.key(1))
+        failed |= not error < bench.TOLERANCE
+        print(f"check block_v,num_warps,chunk={config}: max relative error {error:.2e}", flush=True)
+    rows = []
+    for name in args.shapes:
+        shape = bench.SHAPES[name]
+        inputs = [bench.make_inputs(jax.random.key(i), shape, jnp.bfloat16) for i in range(2)]
+        for config in configs:
+            if time.perf_counter() - start > args.time_limit_s:
+                print(f"time limit: skipped {name} {config}")
+                continue
+            fn = lambda xs, config=config: attention(xs, *config)
+            medians = []
+            for program, arg_sets in [(jax.jit(fn), [(xs,) for xs, _ in inputs]),
+                                      (loss_and_grads(fn), inputs)]:
+                compiled = program.lower(*arg_sets[0]).compile()
+                medians.append(statistics.median(bench.time_ms(compiled, arg_sets, 20, 1.0)))
+            rows.append([shape.name, shape.dims, str(config), f"{medians[0]:.3f}", f"{medians[1]:.3f}",
+                         f"{100 * shape.ceiling_ms('fwd') / medians[0]:.1f}",
+                         f"{100 * shape.ceiling_ms('fwd+bwd') / medians[1]:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "block_v, warps, C", "fwd ms",
+                                "fwd+bwd ms", "fwd % ceiling", "fwd+bwd % ceiling"], rows))
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
