@@ -20,8 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels.palimpsa import chunk
 
-DEFAULT_BLOCK_V = 16
-DEFAULT_NUM_WARPS = 4
+DEFAULT_BLOCK_V = 8
+DEFAULT_NUM_WARPS = 2
 # Enough programs to fill an H200 (132 SMs) several times over; fewer (b, h, v-tile) programs
 # than this split the time axis (see `_split_entering_states`).
 TARGET_PROGRAMS = 1024
