@@ -27,23 +27,34 @@ DEFAULT_NUM_WARPS = 2
 TARGET_PROGRAMS = 1024
 
 
+def _tile(q_ref, v_ref, prior_ref, grid_axes: tuple[int, int], dk: int, dv: int):
+    """Masks of this program's (block_v, Dk') state tile and its head's prior.
+
+    grid_axes: the grid axes of the head and of the v-tile. Returns k_mask (Dk',), v_mask
+    (block_v,), tile_mask (block_v, Dk'), prior (scalar) and the token index (C,).
+    """
+    head_axis, tile_axis = grid_axes
+    _, chunk_size, dk_pad = q_ref.shape
+    block_v = v_ref.shape[-1]
+    k_mask = jnp.arange(dk_pad) < dk
+    v_mask = pl.program_id(tile_axis) * block_v + jnp.arange(block_v) < dv
+    tile_mask = v_mask[:, None] & k_mask[None, :]
+    return k_mask, v_mask, tile_mask, prior_ref[pl.program_id(head_axis)], jnp.arange(chunk_size)
+
+
+def _load_row(ref, n, i, mask):
+    """Row i of chunk n of a (N, C, width) block, float32, zero where masked."""
+    return plgpu.load(ref.at[n, i], mask=mask, other=0.0).astype(jnp.float32)
+
+
 def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
             o_ref, var_ref, M_bound_ref, Ibar_bound_ref, M_ref, Ibar_ref,
             *, scale: float, dk: int, dv: int):
     """One (split, b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
-    num_chunks, chunk_size, dk_pad = q_ref.shape
-    block_v = v_ref.shape[-1]
-    rows = pl.program_id(3) * block_v + jnp.arange(block_v)
-    k_mask = jnp.arange(dk_pad) < dk
-    v_mask = rows < dv
-    tile_mask = v_mask[:, None] & k_mask[None, :]
-    prior = prior_ref[pl.program_id(2)]
+    num_chunks, chunk_size = q_ref.shape[:2]
+    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (2, 3), dk, dv)
     M = plgpu.load(M0_ref, mask=tile_mask, other=0.0)
     Ibar = plgpu.load(Ibar0_ref, mask=tile_mask, other=0.0)
-    token = jnp.arange(chunk_size)
-
-    def load_row(ref, n, i, mask):
-        return plgpu.load(ref.at[n, i], mask=mask, other=0.0).astype(jnp.float32)
 
     def chunk(n, state):
         M, Ibar = state
@@ -52,8 +63,8 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
         alphas = decay_ref[n]
         # Unrolled; every load of the chunk is issued before the recurrence needs it.
         steps = list(map(jnp.int32, range(chunk_size)))  # array indices for interpret mode
-        tokens = [(load_row(q_ref, n, i, k_mask), load_row(k_ref, n, i, k_mask),
-                   load_row(v_ref, n, i, v_mask), load_row(beta_ref, n, i, v_mask))
+        tokens = [(_load_row(q_ref, n, i, k_mask), _load_row(k_ref, n, i, k_mask),
+                   _load_row(v_ref, n, i, v_mask), _load_row(beta_ref, n, i, v_mask))
                   for i in steps]
         for i, (q, k, v, beta) in zip(steps, tokens):
             alpha = jnp.sum(jnp.where(token == i, alphas, 0.0))
@@ -199,17 +210,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
     direct terms, give the inputs' gradients, and are decayed by alpha_t. dq, dk and the
     decay/prior gradients are partial sums over this v-tile.
     """
-    num_chunks, chunk_size, dk_pad = q_ref.shape
+    num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
-    rows = pl.program_id(2) * block_v + jnp.arange(block_v)
-    k_mask = jnp.arange(dk_pad) < dk
-    v_mask = rows < dv
-    tile_mask = v_mask[:, None] & k_mask[None, :]
-    prior = prior_ref[pl.program_id(1)]
-    token = jnp.arange(chunk_size)
-
-    def load_row(ref, n, i, mask):
-        return plgpu.load(ref.at[n, i], mask=mask, other=0.0).astype(jnp.float32)
+    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (1, 2), dk, dv)
 
     def chunk(r, carry):
         GM, GI, d_prior = carry
@@ -217,10 +220,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
         steps = list(map(jnp.int32, range(chunk_size)))
         alphas = decay_ref[n]
         alpha = [jnp.sum(jnp.where(token == i, alphas, 0.0)) for i in steps]
-        tokens = [(load_row(q_ref, n, i, k_mask), load_row(k_ref, n, i, k_mask),
-                   load_row(v_ref, n, i, v_mask), load_row(beta_ref, n, i, v_mask),
-                   load_row(d_o_ref, n, i, v_mask),
-                   None if d_var_ref is None else load_row(d_var_ref, n, i, v_mask))
+        tokens = [(_load_row(q_ref, n, i, k_mask), _load_row(k_ref, n, i, k_mask),
+                   _load_row(v_ref, n, i, v_mask), _load_row(beta_ref, n, i, v_mask),
+                   _load_row(d_o_ref, n, i, v_mask),
+                   None if d_var_ref is None else _load_row(d_var_ref, n, i, v_mask))
                   for i in steps]
         Ms = [plgpu.load(M_bound_ref.at[n], mask=tile_mask, other=0.0)]
         Ibars = [plgpu.load(Ibar_bound_ref.at[n], mask=tile_mask, other=0.0)]
