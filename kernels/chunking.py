@@ -77,3 +77,27 @@ def chunk_decays(log_alpha, reset):
     decay = jnp.exp(jnp.where(same, g[..., :, None] - g[..., None, :], -jnp.inf))
     from_start = jnp.exp(jnp.where(segment == 0, g, -jnp.inf))
     return decay, from_start
+
+
+def round_up(size: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= size."""
+    return -(-size // multiple) * multiple
+
+
+def pad_axis(x, axis: int, size: int, value=0.0):
+    """Pads `axis` of x at the end to `size` with `value` (no-op when already that size)."""
+    axis = axis % x.ndim
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def gates(log_alpha, reset):
+    """Per-token decay alpha_t = exp(log_alpha_t), zeroed where the state resets (float32).
+
+    A kernel that consumes these gates returns dL/dalpha_t; dL/dlog_alpha_t = dL/dalpha_t · alpha_t.
+    """
+    return jnp.where(reset, 0.0, jnp.exp(log_alpha.astype(jnp.float32)))

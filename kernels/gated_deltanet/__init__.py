@@ -1,0 +1,1 @@
+"""Gated DeltaNet backends: sequential reference (`naive`) and chunked WY form (`chunk`)."""

@@ -1,0 +1,92 @@
+"""Chunked gated delta rule (WY / UT-transform form) with matrix multiplies only.
+
+Within a chunk, with decay[t, s] = exp(g_t - g_s) (s <= t, same segment) and from_start_t =
+exp(g_t) (no reset in 0..t) from `chunking.chunk_decays`, the state after token t is
+
+    S_t = from_start_t S_in + sum_{s<=t} decay[t, s] u_s k_sᵀ,
+    u_s = beta_s (v_s - alpha_s S_{s-1} k_s)                 (the delta-rule correction),
+
+and substituting S_{s-1} gives a unit lower-triangular system for the u's (the UT transform):
+
+    (Id + A) U = beta ⊙ V - (beta ⊙ from_start ⊙ K) S_inᵀ,   A[s, r] = beta_s decay[s, r] (k_s · k_r), r < s.
+
+The inverse T = (Id + A)⁻¹ is formed with matrix multiplies only (`_unit_lower_inverse`: block
+inversion, doubling the block size log2(C) times); T [beta ⊙ V | beta ⊙ from_start ⊙ K] gives U~
+and W, so U = U~ - W S_inᵀ. Then
+
+    o_t   = scale [ from_start_t S_in q_t + sum_{s<=t} decay[t, s] (q_t · k_s) u_s ]
+    S_out = from_start_C S_in + sum_s decay[C, s] u_s ⊗ k_s.
+
+Every exponent is g_t - g_s with s <= t or g_t itself (<= 0): no exp of a positive number.
+The chunk body is rematerialised in the backward pass (`jax.checkpoint`), so only the chunk
+inputs and the (B, H, Dv, Dk) state entering each chunk are saved.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels import chunking
+
+DEFAULT_CHUNK_SIZE = 64
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _unit_lower_inverse(A):
+    """(Id + A)⁻¹ for strictly lower-triangular A (..., C, C), by matrix multiplies only.
+
+    Bottom-up block inversion: with the inverses X11, X22 of two adjacent diagonal blocks of size
+    b, the inverse of the 2b block they form is [[X11, 0], [-X22 L21 X11, X22]], L21 being the
+    block of Id + A below X11. Starting from b = 1 (unit diagonal), log2(C) doublings. C is padded
+    to a power of two with an identity block. (No LAPACK triangular solve: on CPU its threaded
+    OpenBLAS can stall when several executions run at once.)
+    """
+    size = A.shape[-1]
+    padded = 1 << (size - 1).bit_length()
+    A = jnp.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, padded - size)] * 2)
+    batch = A.shape[:-2]
+    inverse = jnp.ones((*batch, padded, 1, 1), A.dtype)  # the diagonal blocks' inverses, size b
+    block = 1
+    while block < padded:
+        pairs = padded // (2 * block)
+        tiles = A.reshape(*batch, pairs, 2 * block, pairs, 2 * block)
+        diagonal = jnp.moveaxis(jnp.diagonal(tiles, axis1=-4, axis2=-2), -1, -3)
+        lower_left = diagonal[..., block:, :block]
+        X11, X22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        X21 = -jnp.matmul(X22, jnp.matmul(lower_left, X11, precision=_HIGHEST), precision=_HIGHEST)
+        inverse = jnp.concatenate([
+            jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1),
+            jnp.concatenate([X21, X22], axis=-1)], axis=-2)
+        block *= 2
+    return inverse[..., 0, :size, :size]
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def _chunk_step(S_in, xs, scale: float):
+    (q, k, v, beta, log_alpha), reset = xs
+    q, k, v, beta, log_alpha = (x.astype(jnp.float32) for x in (q, k, v, beta, log_alpha))
+    decay, from_start = chunking.chunk_decays(log_alpha, reset)
+    size, dv = v.shape[-2:]
+    strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
+    gram = jnp.einsum("bhtk,bhsk->bhts", k, k, precision=_HIGHEST)
+    A = jnp.where(strictly_lower, beta[..., :, None] * decay * gram, 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * from_start)[..., None] * k], axis=-1)
+    solved = jnp.einsum("bhts,bhsx->bhtx", _unit_lower_inverse(A), rhs, precision=_HIGHEST)
+    U_tilde, W = solved[..., :dv], solved[..., dv:]
+    U = U_tilde - jnp.einsum("bhtk,bhvk->bhtv", W, S_in, precision=_HIGHEST)
+    scores = jnp.einsum("bhtk,bhsk->bhts", q, k, precision=_HIGHEST) * decay
+    o = (jnp.einsum("bhts,bhsv->bhtv", scores, U, precision=_HIGHEST)
+         + from_start[..., None] * jnp.einsum("bhvk,bhtk->bhtv", S_in, q, precision=_HIGHEST))
+    S_out = (from_start[..., -1, None, None] * S_in
+             + jnp.einsum("bhs,bhsv,bhsk->bhvk", decay[..., -1, :], U, k, precision=_HIGHEST))
+    return S_out, scale * o
+
+
+def gated_delta(q, k, v, beta, log_alpha, S0, reset, *, scale: float,
+                chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked backend; same arguments and returns as `kernels.gated_deltanet.naive.gated_delta`."""
+    chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
+    S, o = jax.lax.scan(lambda S_in, xs: _chunk_step(S_in, xs, scale), S0, (chunks, reset))
+    return chunking.from_chunks(o, q.shape[1]), S

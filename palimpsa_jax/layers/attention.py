@@ -1,0 +1,80 @@
+"""Causal softmax attention with rotary positions (the Transformer++ mixer)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers.common import Array, linear, rope, segments
+
+
+class KVCache(NamedTuple):
+    """Keys and values of up to max_length tokens, (B, L, H, D) each.
+
+    visible (B, L): slots the continuing segment attends to (written and of its segment);
+    length (): slots written so far; position (B,): RoPE position of the next token.
+    """
+    k: Array
+    v: Array
+    visible: Array
+    length: Array
+    position: Array
+
+
+class Attention(nnx.Module):
+    """o_t = W_o softmax(q_t Kᵀ / sqrt(D)) V over earlier tokens of the same segment, with RoPE on
+    q and k at in-segment positions. H heads of head_dim D; no biases."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float = 10000.0,
+                 dtype=None, rngs: nnx.Rngs):
+        self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
+        inner = num_heads * head_dim
+        self.W_q = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
+        self.W_k = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
+        self.W_v = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
+        self.W_o = linear(inner, d_model, ("heads", "embed"), rngs, dtype=dtype)
+
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, max_length, self.num_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                       jnp.zeros((batch, max_length), bool), jnp.zeros((), jnp.int32),
+                       jnp.zeros((batch,), jnp.int32))
+
+    def __call__(self, x: Array, *, segment_ids: Array | None = None,
+                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """x: (B, T, d_model) -> y (B, T, d_model), cache. With a cache the first segment of x
+        continues the cached one; the cache must have room for T more tokens."""
+        batch, length, _ = x.shape
+        seg = segments(segment_ids, batch, length)
+        t = jnp.arange(length, dtype=jnp.int32)
+        positions = seg.position if cache is None else jnp.where(
+            seg.index == 0, cache.position[:, None] + t, seg.position)
+        split = lambda z: z.reshape(batch, length, self.num_heads, self.head_dim)
+        q = rope(split(self.W_q(x)), positions, self.rope_theta)
+        k = rope(split(self.W_k(x)), positions, self.rope_theta)
+        v = split(self.W_v(x))
+        if cache is None:
+            keys, values, key_index, query_slot = k, v, seg.index, t
+        else:  # cached slots are segment 0 if visible, -1 (never matched) otherwise
+            write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
+                buffer, new.astype(buffer.dtype), cache.length, axis=1)
+            keys, values = write(cache.k, k), write(cache.v, v)
+            key_index = write(jnp.where(cache.visible, 0, -1), seg.index)
+            query_slot = cache.length + t
+        key_slot = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        mask = ((key_index[:, None, :] == seg.index[:, :, None])
+                & (key_slot[None, None, :] <= query_slot[None, :, None]))       # (B, T, S)
+        scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype),
+                            preferred_element_type=jnp.float32) * self.head_dim**-0.5
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        o = jnp.einsum("bhts,bshd->bthd", weights, values.astype(v.dtype))
+        y = self.W_o(o.reshape(batch, length, -1))
+        if cache is None:
+            return y, None
+        written = key_slot < cache.length + length
+        new_cache = KVCache(keys, values, written & (key_index == seg.index[:, -1:]),
+                            cache.length + length, positions[:, -1] + 1)
+        return y, new_cache

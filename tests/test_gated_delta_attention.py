@@ -1,0 +1,205 @@
+"""kernels.gated_delta_attention: every backend against independent float64 references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import rules
+from references import relative_error
+
+BACKENDS = sorted(kernels.GATED_DELTA_BACKENDS)
+shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.integers(1, 6),
+                   st.integers(1, 6))
+
+
+def gated_delta_numpy(q, k, v, beta, log_alpha, scale, initial_state=None, segment_ids=None):
+    """Float64 loop of S_t = alpha_t S_{t-1} (Id - beta_t k_t k_tᵀ) + beta_t v_t k_tᵀ,
+    o_t = scale S_t q_t. Returns o (B, T, H, Dv) and S (B, H, Dv, Dk)."""
+    q, k, v, beta, log_alpha = (np.asarray(x, np.float64) for x in (q, k, v, beta, log_alpha))
+    B, T, H, Dk = q.shape
+    S = np.zeros((B, H, v.shape[-1], Dk)) if initial_state is None else np.array(initial_state, np.float64)
+    o = np.zeros(v.shape)
+    for b in range(B):
+        for t in range(T):
+            if segment_ids is not None and t > 0 and segment_ids[b, t] != segment_ids[b, t - 1]:
+                S[b] = 0.0
+            for h in range(H):
+                kt, bt = k[b, t, h], beta[b, t, h]
+                S[b, h] = (np.exp(log_alpha[b, t, h]) * S[b, h] @ (np.eye(Dk) - bt * np.outer(kt, kt))
+                           + bt * np.outer(v[b, t, h], kt))
+                o[b, t, h] = scale * S[b, h] @ q[b, t, h]
+    return o, S
+
+
+def gated_delta_jax64(q, k, v, beta, log_alpha, S0, scale, segment_ids=None):
+    """The same recurrence as a float64 lax.scan, for autodiff (call under jax.enable_x64)."""
+    B, T = q.shape[:2]
+    keep = (jnp.ones((B, T)) if segment_ids is None else
+            jnp.concatenate([jnp.ones((B, 1)), (segment_ids[:, 1:] == segment_ids[:, :-1])], 1))
+
+    def step(S, x):
+        q_t, k_t, v_t, beta_t, log_alpha_t, keep_t = x
+        S = (keep_t[:, None] * jnp.exp(log_alpha_t))[..., None, None] * S
+        S = S + beta_t[..., None, None] * (v_t - jnp.einsum("bhvk,bhk->bhv", S, k_t))[..., :, None] * k_t[..., None, :]
+        return S, scale * jnp.einsum("bhvk,bhk->bhv", S, q_t)
+
+    xs = tuple(jnp.moveaxis(jnp.asarray(x, jnp.float64), 1, 0) for x in (q, k, v, beta, log_alpha, keep))
+    S, o = jax.lax.scan(step, jnp.asarray(S0, jnp.float64), xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+def random_inputs(seed, B, T, H, Dk, Dv, dtype=np.float32):
+    """q, k L2-normalised per head and v (B, T, H, D) in dtype; beta in (0, 1) in dtype;
+    log_alpha (B, T, H) in [-1, 0] float32; segment_ids (B, T) with a few boundaries."""
+    rng = np.random.default_rng(seed)
+    cast = lambda x: np.asarray(jnp.asarray(x, dtype))
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = cast(unit(rng.normal(size=(B, T, H, Dk))))
+    k = cast(unit(rng.normal(size=(B, T, H, Dk))))
+    v = cast(rng.normal(size=(B, T, H, Dv)))
+    beta = cast(1 / (1 + np.exp(-2 * rng.normal(size=(B, T, H)))))
+    log_alpha = -rng.uniform(0.0, 1.0, size=(B, T, H)).astype(np.float32) ** 3
+    segment_ids = np.cumsum(rng.uniform(size=(B, T)) < 0.1, axis=1).astype(np.int32)
+    return q, k, v, beta, log_alpha, segment_ids
+
+
+def call(backend, *args, chunk_size=None, **kwargs):
+    options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
+    return kernels.gated_delta_attention(*args, backend=backend, **options, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=16)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16),
+       with_state=st.booleans(), with_segments=st.booleans(),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]))
+def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, with_segments, dtype):
+    B, T, H, Dk, Dv = shape
+    q, k, v, beta, log_alpha, segment_ids = random_inputs(seed, B, T, H, Dk, Dv, dtype)
+    S0 = np.random.default_rng(seed).normal(size=(B, H, Dv, Dk)).astype(np.float32) if with_state else None
+    segment_ids = segment_ids if with_segments else None
+    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=chunk_size, initial_state=S0,
+                segment_ids=segment_ids, return_final_state=True)
+    o_ref, S_ref = gated_delta_numpy(q, k, v, beta, log_alpha, Dk**-0.5, S0, segment_ids)
+    assert o.dtype == v.dtype and S.dtype == jnp.float32
+    assert relative_error(o, o_ref) < (1e-5 if dtype == np.float32 else 8e-3)
+    assert relative_error(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6)
+@given(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+       with_segments=st.booleans())
+def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
+    B, T, H, Dk, Dv = shape
+    q, k, v, beta, log_alpha, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
+    segment_ids = segment_ids if with_segments else None
+    rng = np.random.default_rng(seed + 1)
+    S0 = rng.normal(size=(B, H, Dv, Dk)).astype(np.float32)
+    w_o, w_S = rng.normal(size=(B, T, H, Dv)), rng.normal(size=(B, H, Dv, Dk))
+
+    def grad(kernel):
+        def loss(*args):
+            o, S = kernel(*args)
+            return jnp.sum(w_o * o) + jnp.sum(w_S * S)
+        return jax.grad(loss, argnums=tuple(range(6)))
+
+    args = (q, k, v, beta, log_alpha, S0)
+    grads = grad(lambda *a: call(backend, *a[:5], chunk_size=chunk_size, initial_state=a[5],
+                                 segment_ids=segment_ids, return_final_state=True))(*args)
+    with jax.enable_x64(True):
+        grads_ref = grad(lambda *a: gated_delta_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
+            *(jnp.asarray(x, jnp.float64) for x in args))
+        grads_ref = [np.asarray(g) for g in grads_ref]
+    for name, g, g_ref in zip(["q", "k", "v", "beta", "log_alpha", "initial_state"], grads, grads_ref):
+        assert relative_error(g, g_ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_halves_equal_whole(backend):
+    q, k, v, beta, log_alpha, _ = random_inputs(1, 2, 50, 2, 4, 3)
+    halves = lambda x: (x[:, :21], x[:, 21:])
+    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=16, return_final_state=True)
+    first, second = zip(*map(halves, (q, k, v, beta, log_alpha)))
+    o1, S1 = call(backend, *first, chunk_size=16, return_final_state=True)
+    o2, S2 = call(backend, *second, chunk_size=16, initial_state=S1, return_final_state=True)
+    np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(S2, S, rtol=2e-5, atol=2e-6)
+
+
+def run_rule(rule, q, k, v, beta, log_alpha, S0):
+    """kernels.rules.run on every (b, h) in float64; returns o (B, T, H, Dv) and S."""
+    B, _, H, _ = q.shape
+    o, S = np.zeros(v.shape), np.zeros(S0.shape)
+    with jax.enable_x64(True):
+        for b in range(B):
+            for h in range(H):
+                args = (x[b, :, h].astype(np.float64) for x in (q, k, v, beta, log_alpha))
+                o_bh, S_bh = rules.run(rule, *args, np.float64(1.0), state=S0[b, h].astype(np.float64))
+                o[b, :, h], S[b, h] = o_bh, S_bh
+    return o, S
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_forgetting_is_deltanet(backend):
+    q, k, v, beta, _, _ = random_inputs(2, 2, 37, 2, 5, 3)
+    S0 = np.random.default_rng(2).normal(size=(2, 2, 3, 5)).astype(np.float32)
+    log_alpha = np.zeros(beta.shape, np.float32)
+    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=16, initial_state=S0,
+                return_final_state=True)
+    o_ref, S_ref = run_rule(rules.DELTANET, q, k, v, beta, log_alpha, S0)
+    assert relative_error(o, o_ref) < 1e-5 and relative_error(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_unified_gated_deltanet_rule(backend):
+    q, k, v, beta, log_alpha, _ = random_inputs(3, 1, 45, 1, 6, 4)
+    S0 = np.random.default_rng(3).normal(size=(1, 1, 4, 6)).astype(np.float32)
+    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=8, initial_state=S0,
+                return_final_state=True)
+    o_ref, S_ref = run_rule(rules.GATED_DELTANET, q, k, v, beta, log_alpha, S0)
+    assert relative_error(o, o_ref) < 1e-5 and relative_error(S, S_ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stable_for_very_negative_log_alpha(backend):
+    q, k, v, beta, log_alpha, _ = random_inputs(4, 1, 20, 2, 4, 3)
+    every_third = np.arange(20)[None, :, None] % 3 == 0
+    log_alpha = np.broadcast_to(np.where(every_third, -1e4, -80.0), beta.shape).astype(np.float32)
+    loss = lambda la: jnp.sum(call(backend, q, k, v, beta, la, chunk_size=8) ** 2)
+    o = call(backend, q, k, v, beta, log_alpha, chunk_size=8)
+    o_ref, _ = gated_delta_numpy(q, k, v, beta, log_alpha, 0.5)
+    assert relative_error(o, o_ref) < 1e-5
+    assert np.all(np.isfinite(jax.grad(loss)(log_alpha)))
+
+
+@pytest.mark.parametrize("argument,changes", [
+    ("q", dict(q=np.ones((2, 3)))),
+    ("k", dict(k=np.ones((2, 5, 2, 3), np.float32))),
+    ("v", dict(v=np.ones((1, 5, 2, 3), np.float32))),
+    ("v", dict(v=np.ones((2, 5, 2, 3), np.float64))),
+    ("beta", dict(beta=np.ones((2, 5, 2, 3), np.float32))),
+    ("beta", dict(beta=np.ones((2, 5, 2), np.int32))),
+    ("beta", dict(beta=-np.ones((2, 5, 2), np.float32))),
+    ("log_alpha", dict(log_alpha=np.ones((2, 5, 2), np.float32))),
+    ("initial_state", dict(initial_state=np.ones((2, 2, 4, 3), np.float32))),
+    ("segment_ids", dict(segment_ids=np.zeros((2, 4), np.int32))),
+    ("scale", dict(scale=-1.0)),
+    ("backend", dict(backend="pallas_gpu")),
+    ("chunk_size", dict(backend="reference", chunk_size=4)),
+    ("chunk_size", dict(backend="xla", chunk_size=0)),
+])
+def test_bad_arguments_raise_value_error_naming_them(argument, changes):
+    rng = np.random.default_rng(0)
+    kwargs = dict(q=rng.normal(size=(2, 5, 2, 4)).astype(np.float32),
+                  k=rng.normal(size=(2, 5, 2, 4)).astype(np.float32),
+                  v=rng.normal(size=(2, 5, 2, 3)).astype(np.float32),
+                  beta=np.full((2, 5, 2), 0.5, np.float32),
+                  log_alpha=-np.ones((2, 5, 2), np.float32))
+    kwargs.update(changes)
+    positional = [kwargs.pop(n) for n in ["q", "k", "v", "beta", "log_alpha"]]
+    with pytest.raises(ValueError, match=f"^{argument} "):
+        kernels.gated_delta_attention(*positional, **kwargs)
