@@ -14,18 +14,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def padded_length(length: int, chunk_size: int) -> int:
-    return -(-length // chunk_size) * chunk_size
-
-
-def pad_time(x, length: int):
-    """Zero-pads axis 1 (time) of x to `length`. Zero tokens leave a linear state unchanged."""
-    extra = length - x.shape[1]
-    if extra == 0:
-        return x
-    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
-
-
 def to_chunks(x, chunk_size: int):
     """(B, T, H, ...) with T a multiple of C -> (N, B, H, C, ...)."""
     batch, length = x.shape[:2]
@@ -46,8 +34,8 @@ def split_chunks(arrays, reset, chunk_size: int):
     """
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    padded = padded_length(reset.shape[1], chunk_size)
-    split = lambda x: to_chunks(pad_time(x, padded), chunk_size)
+    padded = round_up(reset.shape[1], chunk_size)  # zero tokens leave a linear state unchanged
+    split = lambda x: to_chunks(pad_axis(x, 1, padded), chunk_size)
     return tuple(split(x) for x in arrays), split(reset[:, :, None])
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels import chunking
 from kernels.palimpsa import chunk
 
 DEFAULT_BLOCK_V = 8
@@ -161,7 +162,7 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
         raise ValueError(f"time_splits must divide the number of chunks {num_chunks}, got {splits}")
     entering = (jax.tree.map(lambda x: x[None], state) if splits == 1 else
                 _split_entering_states(chunks, state, reset, splits))
-    decay = jnp.where(reset, 0.0, jnp.exp(log_alpha))
+    decay = chunking.gates(log_alpha, reset)
     prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
     per_split = num_chunks // splits
 
@@ -281,7 +282,7 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
     dk_pad = pl.next_power_of_2(dk)
     block_v = min(block_v, pl.next_power_of_2(dv))
     v_tiles = pl.cdiv(dv, block_v)
-    decay = jnp.where(reset, 0.0, jnp.exp(log_alpha))
+    decay = chunking.gates(log_alpha, reset)
     prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
     d_o, d_var = d_out
 
