@@ -329,3 +329,14 @@ def test_short_conv_cache_and_segments():
     np.testing.assert_array_equal(cache, x[:, 3:])   # the last W-1 inputs of the last segment
     _, cache = conv(x[:, :5], index[:, :5])
     np.testing.assert_array_equal(cache[:, 0], 0.0)  # first slot belongs to the previous segment
+
+
+def test_attention_cache_overflow_is_an_error_not_a_silent_overwrite():
+    from palimpsa_jax.layers.attention import Attention
+    attention = Attention(16, 2, 8, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 3, 16))
+    _, cache = attention(x, cache=attention.init_cache(1, 4))
+    with pytest.raises(ValueError, match="max_length"):
+        attention(x, cache=cache)
+    y, _ = nnx.jit(lambda m, x, c: m(x, cache=c))(attention, x, cache)  # unchecked under jit
+    assert np.all(np.isnan(y))

@@ -23,6 +23,15 @@ class KVCache(NamedTuple):
     position: Array
 
 
+def _check_room(cache: KVCache, length: int) -> None:
+    """ValueError if the cache cannot take `length` more tokens (when its fill is concrete)."""
+    max_length = cache.k.shape[1]
+    filled = None if isinstance(cache.length, jax.core.Tracer) else int(cache.length)
+    if length > max_length or (filled is not None and filled + length > max_length):
+        raise ValueError(f"cache has room for {max_length - (filled or 0)} more tokens of its "
+                         f"max_length {max_length}, got {length}: use a larger max_length")
+
+
 class Attention(nnx.Module):
     """o_t = W_o softmax(q_t Kᵀ / sqrt(D)) V over earlier tokens of the same segment, with RoPE on
     q and k at in-segment positions. H heads of head_dim D; no biases."""
@@ -58,6 +67,7 @@ class Attention(nnx.Module):
         if cache is None:
             keys, values, key_index, query_slot = k, v, seg.index, t
         else:  # cached slots are segment 0 if visible, -1 (never matched) otherwise
+            _check_room(cache, length)
             write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
                 buffer, new.astype(buffer.dtype), cache.length, axis=1)
             keys, values = write(cache.k, k), write(cache.v, v)
@@ -74,6 +84,9 @@ class Attention(nnx.Module):
         y = self.W_o(o.reshape(batch, length, -1))
         if cache is None:
             return y, None
+        # An overflow that could not be checked eagerly (under jit) poisons y instead of
+        # silently overwriting the last slots.
+        y = jnp.where(cache.length + length <= keys.shape[1], y, jnp.nan)
         written = key_slot < cache.length + length
         new_cache = KVCache(keys, values, written & (key_index == seg.index[:, -1:]),
                             cache.length + length, positions[:, -1] + 1)
