@@ -90,6 +90,15 @@ def _without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_re
             *refs, **kwargs)
 
 
+def _sizes(chunks, block_v: int):
+    """(N, B, H, C, Dk, Dv, Dk padded to a power of two, the state tile's rows, tiles over Dv)."""
+    num_chunks, batch, heads, chunk_size, dk = chunks[0].shape
+    dv = chunks[2].shape[-1]
+    block_v = min(block_v, pl.next_power_of_2(dv))
+    return (num_chunks, batch, heads, chunk_size, dk, dv, pl.next_power_of_2(dk), block_v,
+            pl.cdiv(dv, block_v))
+
+
 def _tokens_of_splits(x, splits: int):
     """(N, B, H, C, ...) -> (S, B, H, (N / S)·C, ...): the tokens of each time split, in order."""
     num_chunks, batch, heads, chunk_size = x.shape[:4]
@@ -152,11 +161,7 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
       entering each chunk, each (N, B, H, Dv, Dk).
     """
     q, k, v, beta, log_alpha = chunks
-    num_chunks, batch, heads, chunk_size, dk = q.shape
-    dv = v.shape[-1]
-    dk_pad = pl.next_power_of_2(dk)
-    block_v = min(block_v, pl.next_power_of_2(dv))
-    v_tiles = pl.cdiv(dv, block_v)
+    num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
     splits = time_splits or _time_splits(num_chunks, batch * heads * v_tiles)
     if num_chunks % splits:
         raise ValueError(f"time_splits must divide the number of chunks {num_chunks}, got {splits}")
@@ -277,11 +282,7 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
              num_warps: int = DEFAULT_NUM_WARPS):
     """Pallas backward; same contract as `kernels.palimpsa.chunk.xla_backward`."""
     q, k, v, beta, log_alpha = chunks
-    num_chunks, batch, heads, chunk_size, dk = q.shape
-    dv = v.shape[-1]
-    dk_pad = pl.next_power_of_2(dk)
-    block_v = min(block_v, pl.next_power_of_2(dv))
-    v_tiles = pl.cdiv(dv, block_v)
+    num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
     decay = chunking.gates(log_alpha, reset)
     prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
     d_o, d_var = d_out
