@@ -8,47 +8,11 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import rules
-from references import relative_error
+from references import gated_delta_jax64, gated_delta_numpy, relative_error
 
 BACKENDS = sorted(kernels.GATED_DELTA_BACKENDS)
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.integers(1, 6),
                    st.integers(1, 6))
-
-
-def gated_delta_numpy(q, k, v, beta, log_alpha, scale, initial_state=None, segment_ids=None):
-    """Float64 loop of S_t = alpha_t S_{t-1} (Id - beta_t k_t k_tᵀ) + beta_t v_t k_tᵀ,
-    o_t = scale S_t q_t. Returns o (B, T, H, Dv) and S (B, H, Dv, Dk)."""
-    q, k, v, beta, log_alpha = (np.asarray(x, np.float64) for x in (q, k, v, beta, log_alpha))
-    B, T, H, Dk = q.shape
-    S = np.zeros((B, H, v.shape[-1], Dk)) if initial_state is None else np.array(initial_state, np.float64)
-    o = np.zeros(v.shape)
-    for b in range(B):
-        for t in range(T):
-            if segment_ids is not None and t > 0 and segment_ids[b, t] != segment_ids[b, t - 1]:
-                S[b] = 0.0
-            for h in range(H):
-                kt, bt = k[b, t, h], beta[b, t, h]
-                S[b, h] = (np.exp(log_alpha[b, t, h]) * S[b, h] @ (np.eye(Dk) - bt * np.outer(kt, kt))
-                           + bt * np.outer(v[b, t, h], kt))
-                o[b, t, h] = scale * S[b, h] @ q[b, t, h]
-    return o, S
-
-
-def gated_delta_jax64(q, k, v, beta, log_alpha, S0, scale, segment_ids=None):
-    """The same recurrence as a float64 lax.scan, for autodiff (call under jax.enable_x64)."""
-    B, T = q.shape[:2]
-    keep = (jnp.ones((B, T)) if segment_ids is None else
-            jnp.concatenate([jnp.ones((B, 1)), (segment_ids[:, 1:] == segment_ids[:, :-1])], 1))
-
-    def step(S, x):
-        q_t, k_t, v_t, beta_t, log_alpha_t, keep_t = x
-        S = (keep_t[:, None] * jnp.exp(log_alpha_t))[..., None, None] * S
-        S = S + beta_t[..., None, None] * (v_t - jnp.einsum("bhvk,bhk->bhv", S, k_t))[..., :, None] * k_t[..., None, :]
-        return S, scale * jnp.einsum("bhvk,bhk->bhv", S, q_t)
-
-    xs = tuple(jnp.moveaxis(jnp.asarray(x, jnp.float64), 1, 0) for x in (q, k, v, beta, log_alpha, keep))
-    S, o = jax.lax.scan(step, jnp.asarray(S0, jnp.float64), xs)
-    return jnp.moveaxis(o, 0, 1), S
 
 
 def random_inputs(seed, B, T, H, Dk, Dv, dtype=np.float32):

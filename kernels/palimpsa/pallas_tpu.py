@@ -63,28 +63,23 @@ def _sub_chunk(chunk_size: int, sub_chunk: int | None) -> int:
     return sub_chunk
 
 
-def _column(block, t):
-    """Column t of a (R, C) value as (R, 1): a masked lane reduction (exact, one non-zero)."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
-    return jnp.sum(jnp.where(lane == t, block, 0.0), axis=1, keepdims=True)
+def _pick(block, t, axis: int):
+    """Slice t of a 2-D value along `axis` (keeping it as a size-1 axis): a masked reduction
+    (exact, one non-zero). axis 1 picks a column (R, 1), axis 0 a row (1, D)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, block.shape, axis)
+    return jnp.sum(jnp.where(index == t, block, 0.0), axis=axis, keepdims=True)
 
 
-def _set_column(block, t, column):
-    """block with column t replaced by the (R, 1) `column`."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
-    return jnp.where(lane == t, column, block)
+def _put(block, t, value, axis: int):
+    """block with slice t along `axis` replaced by `value` (size 1 along `axis`)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, block.shape, axis)
+    return jnp.where(index == t, value, block)
 
 
-def _row(block, t):
-    """Row t of a (C, D) value as (1, D): a masked sublane reduction (exact, one non-zero)."""
-    sublane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 0)
-    return jnp.sum(jnp.where(sublane == t, block, 0.0), axis=0, keepdims=True)
-
-
-def _set_row(block, t, row):
-    """block with row t replaced by the (1, D) `row`."""
-    sublane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 0)
-    return jnp.where(sublane == t, row, block)
+_column = functools.partial(_pick, axis=1)
+_row = functools.partial(_pick, axis=0)
+_set_column = functools.partial(_put, axis=1)
+_set_row = functools.partial(_put, axis=0)
 
 
 def _advance(t, state, k, vT, betaT, alphas):
