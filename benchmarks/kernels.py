@@ -134,13 +134,17 @@ def unavailable_reason(backend: str) -> str | None:
 
 
 def variants(op: str, backends, chunk_sizes) -> list[Variant]:
-    """One variant per backend, and per chunk size for the chunked backends."""
+    """One variant per backend, and per chunk size for the chunked backends.
+
+    chunk_sizes None: each chunked backend at its own default chunk size.
+    """
     out = []
     for backend in backends:
-        if default_chunk_size(op, backend) is None:
+        default = default_chunk_size(op, backend)
+        if default is None:
             out.append(Variant(op, backend))
         else:
-            out.extend(Variant(op, backend, c) for c in chunk_sizes)
+            out.extend(Variant(op, backend, c) for c in chunk_sizes or [default])
     return out
 
 
@@ -351,8 +355,9 @@ def parse_args(argv=None):
     which.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     parser.add_argument("--backends", nargs="+", choices=sorted(kernels.PALIMPSA_BACKENDS),
                         help="palimpsa backends to time and check (default: all that run here)")
-    parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[16, 32, 64],
-                        help="chunk sizes of the chunked palimpsa backends")
+    parser.add_argument("--chunk-sizes", nargs="+", type=int,
+                        help="chunk sizes of the chunked palimpsa backends (default: each "
+                             "backend's own)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per pass, at most")
     parser.add_argument("--budget-s", type=float, default=4.0, help="seconds of timed calls per pass")

@@ -1,10 +1,13 @@
-"""Tuning sweep of the Pallas GPU kernels: block_v x num_warps (x chunk size) per shape.
+"""Tuning sweep of the Pallas GPU kernels: tile rows x warps (forward, backward) per shape.
 
 Checks every configuration in float32 against the xla backend (forward and all gradients) on a
 small shape, then times forward and forward+backward on the chosen SPEC shapes, within a time
 limit. Prints a Markdown table last.
 
-    python benchmarks/pallas_gpu_sweep.py --shapes lm_170m long_seq --configs 16,4,16 8,2,16
+    python benchmarks/pallas_gpu_sweep.py --shapes lm_170m long_seq --configs 8,2,8,4,16
+
+A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward)
+and the chunk size C.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ bench = sys.modules["kernel_benchmark"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
-def attention(xs, block_v: int, num_warps: int, chunk_size: int):
+def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_num_warps: int,
+              chunk_size: int):
     """palimpsa_attention through the pallas_gpu backend with explicit tuning options."""
     B, T, H, Dk = xs["q"].shape
     Dv = xs["v"].shape[-1]
@@ -38,7 +42,8 @@ def attention(xs, block_v: int, num_warps: int, chunk_size: int):
     o, _, _, _ = pallas_gpu.palimpsa(
         xs["q"], xs["k"], xs["v"], xs["beta"], xs["log_alpha"], xs["prior"], zeros, zeros,
         jnp.zeros((B, T), bool), scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
-        block_v=block_v, num_warps=num_warps)
+        block_v=block_v, num_warps=num_warps, backward_block_v=backward_block_v,
+        backward_num_warps=backward_num_warps)
     return o.astype(xs["v"].dtype)
 
 
@@ -61,8 +66,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["lm_170m", "long_seq"],
                         choices=sorted(bench.SHAPES))
-    parser.add_argument("--configs", nargs="+", default=["16,4,16", "8,1,16", "8,2,16", "16,2,16"],
-                        help="block_v,num_warps,chunk_size triples")
+    parser.add_argument("--configs", nargs="+", default=["8,2,8,4,16", "8,4,8,4,16"],
+                        help="block_v,num_warps,backward_block_v,backward_num_warps,C")
     parser.add_argument("--time-limit-s", type=float, default=300)
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
     for config in configs:
         error = check(config, jax.random.key(1))
         failed |= not error < bench.TOLERANCE
-        print(f"check block_v,num_warps,chunk={config}: max relative error {error:.2e}", flush=True)
+        print(f"check config {config}: max relative error {error:.2e}", flush=True)
     rows = []
     for name in args.shapes:
         shape = bench.SHAPES[name]
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
                          f"{100 * shape.ceiling_ms('fwd') / medians[0]:.1f}",
                          f"{100 * shape.ceiling_ms('fwd+bwd') / medians[1]:.1f}"])
             print(" | ".join(rows[-1]), flush=True)
-    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "block_v, warps, C", "fwd ms",
+    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "fwd block_v, warps; bwd block_v, warps; C", "fwd ms",
                                 "fwd+bwd ms", "fwd % ceiling", "fwd+bwd % ceiling"], rows))
     return int(failed)
 

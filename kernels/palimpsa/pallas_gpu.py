@@ -1,13 +1,14 @@
-"""Pallas GPU (Triton) forward of the metaplastic recurrence.
+"""Pallas GPU (Triton) forward and backward of the metaplastic recurrence.
 
-Grid (B, H, ceil(Dv / block_v)): each program keeps a (block_v, Dk') tile of the state (M, Ibar)
-in registers (Dk' = Dk padded to a power of two, masked), walks the chunks in a `fori_loop` and
-the C tokens of a chunk unrolled, so the loads of a chunk are independent of the state and can be
-issued ahead of the recurrence. It writes outputs, the optional variance and the state entering
-every chunk; those chunk-boundary states are the residuals of the shared chunked backward
-(`kernels.palimpsa.chunk`), which recomputes each chunk in XLA.
+Forward, grid (time split, B, H, ceil(Dv / block_v)): each program keeps a (block_v, Dk') tile of
+the state (M, Ibar) in registers (Dk' = Dk padded to a power of two, masked), walks the chunks in
+a `fori_loop` and the C tokens of a chunk unrolled, with every load of a chunk issued before its
+recurrence. It writes the outputs (gathered per chunk), the optional variance and the state
+entering every chunk: the residuals of the shared chunked custom VJP (`kernels.palimpsa.chunk`).
+Backward, grid (B, H, ceil(Dv / block_v)): chunks in reverse, each chunk's C + 1 states
+recomputed in registers, then the reverse recurrence of (dL/dM, dL/dIbar).
 
-Inputs and outputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
+Inputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kernels.palimpsa import chunk
 
 DEFAULT_BLOCK_V = 8
 DEFAULT_NUM_WARPS = 2
+DEFAULT_BACKWARD_NUM_WARPS = 4
 # Enough programs to fill an H200 (132 SMs) several times over; fewer (b, h, v-tile) programs
 # than this split the time axis (see `_split_entering_states`).
 TARGET_PROGRAMS = 1024
@@ -53,6 +55,7 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
             *, scale: float, dk: int, dv: int):
     """One (split, b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
     num_chunks, chunk_size = q_ref.shape[:2]
+    block_v = v_ref.shape[-1]
     k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (2, 3), dk, dv)
     M = plgpu.load(M0_ref, mask=tile_mask, other=0.0)
     Ibar = plgpu.load(Ibar0_ref, mask=tile_mask, other=0.0)
@@ -61,22 +64,27 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
         M, Ibar = state
         plgpu.store(M_bound_ref.at[n], M, mask=tile_mask)
         plgpu.store(Ibar_bound_ref.at[n], Ibar, mask=tile_mask)
-        alphas = decay_ref[n]
         # Unrolled; every load of the chunk is issued before the recurrence needs it.
         steps = list(map(jnp.int32, range(chunk_size)))  # array indices for interpret mode
-        tokens = [(_load_row(q_ref, n, i, k_mask), _load_row(k_ref, n, i, k_mask),
-                   _load_row(v_ref, n, i, v_mask), _load_row(beta_ref, n, i, v_mask))
+        tokens = [(decay_ref[n, i], _load_row(q_ref, n, i, k_mask),
+                   _load_row(k_ref, n, i, k_mask), _load_row(v_ref, n, i, v_mask),
+                   _load_row(beta_ref, n, i, v_mask))
                   for i in steps]
-        for i, (q, k, v, beta) in zip(steps, tokens):
-            alpha = jnp.sum(jnp.where(token == i, alphas, 0.0))
+        # The chunk's outputs are gathered as (block_v, C) columns and stored once.
+        o = jnp.zeros((block_v, chunk_size), jnp.float32)
+        var = o
+        for i, (alpha, q, k, v, beta) in zip(steps, tokens):
             M = alpha * M + v[:, None] * k[None, :]
             Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
             plasticity = 1.0 / (Ibar + prior)
-            o = scale * jnp.sum(M * plasticity * q[None, :], axis=1)
-            plgpu.store(o_ref.at[n, i], o.astype(o_ref.dtype), mask=v_mask)
+            o_t = jnp.sum(M * plasticity * q[None, :], axis=1, keepdims=True)
+            o = jnp.where(token[None, :] == i, scale * o_t, o)
             if var_ref is not None:
-                var = scale * scale * jnp.sum(plasticity * (q * q)[None, :], axis=1)
-                plgpu.store(var_ref.at[n, i], var, mask=v_mask)
+                var_t = jnp.sum(plasticity * (q * q)[None, :], axis=1, keepdims=True)
+                var = jnp.where(token[None, :] == i, scale * scale * var_t, var)
+        plgpu.store(o_ref.at[n], o, mask=v_mask[:, None])
+        if var_ref is not None:
+            plgpu.store(var_ref.at[n], var, mask=v_mask[:, None])
         return M, Ibar
 
     M, Ibar = jax.lax.fori_loop(0, num_chunks, chunk, (M, Ibar))
@@ -181,7 +189,9 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
                               lambda s, b, h, j: (s, b, h, j, 0))
     state_shape = jax.ShapeDtypeStruct((splits, batch, heads, dv, dk), jnp.float32)
     bound_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, dk), jnp.float32)
-    out_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, chunk_size, dv), jnp.float32)
+    column_spec = pl.BlockSpec((per_split, None, None, block_v, chunk_size),
+                               lambda s, b, h, j: (s, b, h, j, 0))
+    out_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, chunk_size), jnp.float32)
     num_outputs = 2 if return_variance else 1
 
     with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
@@ -194,13 +204,14 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
                                    lambda s, b, h, j: (s, b, h, 0)),
                       pl.BlockSpec(prior_pad.shape, lambda s, b, h, j: (0,)),
                       state_spec, state_spec],
-            out_specs=[value_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
+            out_specs=[column_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
             out_shape=[out_shape] * num_outputs + [bound_shape] * 2 + [state_shape] * 2,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret,
             name="palimpsa_forward",
         )(q, k, v, beta, decay, prior_pad, *entering)
-    out = (outputs[0], outputs[1] if return_variance else None)
+    out = tuple(jnp.swapaxes(x, -1, -2) for x in outputs[:num_outputs])  # (N, B, H, C, Dv)
+    out = (out[0], out[1] if return_variance else None)
     M_bound, Ibar_bound, M_last, Ibar_last = outputs[num_outputs:]
     return out, (M_last[-1], Ibar_last[-1]), (M_bound, Ibar_bound)
 
@@ -213,35 +224,39 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
 
     Each chunk's states are recomputed in registers from its entering state; then, token by
     token in reverse, the state cotangents (GM, GI) = (dL/dM_t, dL/dIbar_t) take the read-out's
-    direct terms, give the inputs' gradients, and are decayed by alpha_t. dq, dk and the
-    decay/prior gradients are partial sums over this v-tile.
+    direct terms, give the inputs' gradients, and are decayed by alpha_t. dq and dk are partial
+    sums over this v-tile; dv, dbeta and the per-row terms of dL/dalpha are gathered as
+    (block_v, C) columns and stored once per chunk; dL/dprior is summed over the tile at the end.
     """
     num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
     k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (1, 2), dk, dv)
+    column_mask = v_mask[:, None]
+    row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
 
     def chunk(r, carry):
         GM, GI, d_prior = carry
         n = num_chunks - 1 - r
         steps = list(map(jnp.int32, range(chunk_size)))
-        alphas = decay_ref[n]
-        alpha = [jnp.sum(jnp.where(token == i, alphas, 0.0)) for i in steps]
-        tokens = [(_load_row(q_ref, n, i, k_mask), _load_row(k_ref, n, i, k_mask),
-                   _load_row(v_ref, n, i, v_mask), _load_row(beta_ref, n, i, v_mask),
-                   _load_row(d_o_ref, n, i, v_mask),
+        tokens = [(decay_ref[n, i], _load_row(q_ref, n, i, k_mask),
+                   _load_row(k_ref, n, i, k_mask), _load_row(v_ref, n, i, v_mask),
+                   _load_row(beta_ref, n, i, v_mask), _load_row(d_o_ref, n, i, v_mask),
                    None if d_var_ref is None else _load_row(d_var_ref, n, i, v_mask))
                   for i in steps]
-        Ms = [plgpu.load(M_bound_ref.at[n], mask=tile_mask, other=0.0)]
-        Ibars = [plgpu.load(Ibar_bound_ref.at[n], mask=tile_mask, other=0.0)]
-        for a, (q, k, v, beta, _, _) in zip(alpha, tokens):
-            Ms.append(a * Ms[-1] + v[:, None] * k[None, :])
-            Ibars.append(a * Ibars[-1] + beta[:, None] * (k * k)[None, :])
-        d_decay = jnp.zeros((chunk_size,), jnp.float32)
+        M = plgpu.load(M_bound_ref.at[n], mask=tile_mask, other=0.0)
+        Ibar = plgpu.load(Ibar_bound_ref.at[n], mask=tile_mask, other=0.0)
+        states = [(M, Ibar)]
+        for alpha, _, k, v, beta, _, _ in tokens:
+            M = alpha * M + v[:, None] * k[None, :]
+            Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
+            states.append((M, Ibar))
+        d_v = d_beta = d_alpha = jnp.zeros((block_v, chunk_size), jnp.float32)
         for t in reversed(range(chunk_size)):
             i = steps[t]
-            q, k, v, beta, d_o, d_var = tokens[t]
-            plasticity = 1.0 / (Ibars[t + 1] + prior)
-            mu = Ms[t + 1] * plasticity
+            alpha, q, k, v, beta, d_o, d_var = tokens[t]
+            (M, Ibar), (M_prev, Ibar_prev) = states[t + 1], states[t]
+            plasticity = 1.0 / (Ibar + prior)
+            mu = M * plasticity
             GM = GM + scale * d_o[:, None] * q[None, :] * plasticity
             d_precision = scale * d_o[:, None] * q[None, :] * mu
             dq = scale * jnp.sum(d_o[:, None] * mu, axis=0)
@@ -249,26 +264,29 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
                 d_precision += scale * scale * d_var[:, None] * (q * q)[None, :] * plasticity
                 dq += 2 * scale * scale * q * jnp.sum(d_var[:, None] * plasticity, axis=0)
             d_precision = -plasticity * d_precision
-            d_prior += jnp.sum(d_precision, axis=1)
+            d_prior += d_precision
             GI = GI + d_precision
             plgpu.store(dq_ref.at[n, i], dq, mask=k_mask)
-            plgpu.store(dk_ref.at[n, i], jnp.sum(GM * v[:, None], axis=0)
-                        + 2 * k * jnp.sum(GI * beta[:, None], axis=0), mask=k_mask)
-            plgpu.store(dv_ref.at[n, i], jnp.sum(GM * k[None, :], axis=1), mask=v_mask)
-            plgpu.store(dbeta_ref.at[n, i], jnp.sum(GI * (k * k)[None, :], axis=1), mask=v_mask)
-            d_alpha = jnp.sum(GM * Ms[t] + GI * Ibars[t])
-            d_decay = jnp.where(token == i, d_alpha, d_decay)
-            GM, GI = alpha[t] * GM, alpha[t] * GI
-        d_decay_ref[n] = d_decay
+            plgpu.store(dk_ref.at[n, i],
+                        jnp.sum(GM * v[:, None] + GI * (2 * beta[:, None] * k[None, :]), axis=0),
+                        mask=k_mask)
+            is_t = token[None, :] == i
+            d_v = jnp.where(is_t, row_sum(GM * k[None, :]), d_v)
+            d_beta = jnp.where(is_t, row_sum(GI * (k * k)[None, :]), d_beta)
+            d_alpha = jnp.where(is_t, row_sum(GM * M_prev + GI * Ibar_prev), d_alpha)
+            GM, GI = alpha * GM, alpha * GI
+        plgpu.store(dv_ref.at[n], d_v, mask=column_mask)
+        plgpu.store(dbeta_ref.at[n], d_beta, mask=column_mask)
+        plgpu.store(d_decay_ref.at[n], d_alpha, mask=column_mask)
         return GM, GI, d_prior
 
     GM = plgpu.load(dM_ref, mask=tile_mask, other=0.0)
     GI = plgpu.load(dIbar_ref, mask=tile_mask, other=0.0)
     GM, GI, d_prior = jax.lax.fori_loop(0, num_chunks, chunk,
-                                        (GM, GI, jnp.zeros((block_v,), jnp.float32)))
+                                        (GM, GI, jnp.zeros_like(GM)))
     plgpu.store(dM0_ref, GM, mask=tile_mask)
     plgpu.store(dIbar0_ref, GI, mask=tile_mask)
-    plgpu.store(d_prior_ref, d_prior, mask=v_mask)
+    plgpu.store(d_prior_ref, jnp.sum(d_prior, axis=1), mask=v_mask)
 
 
 def _backward_without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
@@ -279,7 +297,7 @@ def _backward_without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_r
 
 def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, scale: float,
              return_variance: bool, interpret: bool = False, block_v: int = DEFAULT_BLOCK_V,
-             num_warps: int = DEFAULT_NUM_WARPS):
+             num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
     """Pallas backward; same contract as `kernels.palimpsa.chunk.xla_backward`."""
     q, k, v, beta, log_alpha = chunks
     num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
@@ -295,8 +313,10 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
     state_spec = pl.BlockSpec((None, None, block_v, dk_pad), lambda b, h, j: (b, h, j, 0))
     bound_spec = pl.BlockSpec((num_chunks, None, None, block_v, dk_pad),
                               lambda b, h, j: (0, b, h, j, 0))
-    partial_spec = lambda *block: pl.BlockSpec(
-        (None, *block), lambda b, h, j: (j, 0, b, h, 0, 0)[:len(block) + 1])
+    column_spec = pl.BlockSpec((num_chunks, None, None, block_v, chunk_size),
+                               lambda b, h, j: (0, b, h, j, 0))
+    partial_spec = pl.BlockSpec((None, num_chunks, None, None, chunk_size, dk_pad),
+                                lambda b, h, j: (j, 0, b, h, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     variance = [d_var] if return_variance else []
     with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
@@ -307,32 +327,33 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
             in_specs=[token_spec, token_spec, value_spec, value_spec, decay_spec,
                       pl.BlockSpec(prior_pad.shape, lambda b, h, j: (0,)), bound_spec, bound_spec,
                       value_spec] + [value_spec] * len(variance) + [state_spec, state_spec],
-            out_specs=[partial_spec(num_chunks, None, None, chunk_size, dk_pad)] * 2
-                      + [value_spec] * 2
-                      + [partial_spec(num_chunks, None, None, chunk_size),
-                         pl.BlockSpec((None, None, block_v), lambda b, h, j: (b, h, j)),
+            out_specs=[partial_spec] * 2 + [column_spec] * 3
+                      + [pl.BlockSpec((None, None, block_v), lambda b, h, j: (b, h, j)),
                          state_spec, state_spec],
             out_shape=[f32(v_tiles, num_chunks, batch, heads, chunk_size, dk)] * 2
-                      + [f32(num_chunks, batch, heads, chunk_size, dv)] * 2
-                      + [f32(v_tiles, num_chunks, batch, heads, chunk_size), f32(batch, heads, dv),
-                         f32(batch, heads, dv, dk), f32(batch, heads, dv, dk)],
+                      + [f32(num_chunks, batch, heads, dv, chunk_size)] * 3
+                      + [f32(batch, heads, dv), f32(batch, heads, dv, dk), f32(batch, heads, dv, dk)],
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret,
             name="palimpsa_backward",
         )(q, k, v, beta, decay, prior_pad, *boundary_states, d_o, *variance, *d_final_state)
-    d_log_alpha = jnp.sum(d_decay, 0) * decay
+    d_log_alpha = jnp.sum(d_decay, -2) * decay
     d_chunks = tuple(g.astype(x.dtype) for g, x in zip(
-        (jnp.sum(dq, 0), jnp.sum(dk_, 0), dv_, dbeta, d_log_alpha), chunks))
+        (jnp.sum(dq, 0), jnp.sum(dk_, 0), jnp.swapaxes(dv_, -1, -2), jnp.swapaxes(dbeta, -1, -2),
+         d_log_alpha), chunks))
     return d_chunks, jnp.sum(d_prior, axis=(0, 2)), (dM0, dIbar0)
 
 
 def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
              return_variance: bool, chunk_size: int = 16, interpret: bool = False,
              block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
-             time_splits: int | None = None):
+             time_splits: int | None = None, backward_block_v: int = DEFAULT_BLOCK_V,
+             backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
     """Pallas GPU backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
 
-    Forward and backward are Pallas kernels under the shared chunked custom VJP.
+    Forward and backward are Pallas kernels under the shared chunked custom VJP; block_v,
+    num_warps (and time_splits) tune the forward, backward_block_v and backward_num_warps the
+    backward.
     `interpret=True` runs the same kernel body in Pallas interpret mode on any platform.
     """
     if not interpret and jax.default_backend() != "gpu":
@@ -346,5 +367,5 @@ def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
         return_variance=return_variance, chunk_size=chunk_size,
         forward=functools.partial(forward, interpret=interpret, block_v=block_v,
                                   num_warps=num_warps, time_splits=time_splits),
-        backward=functools.partial(backward, interpret=interpret, block_v=block_v,
-                                   num_warps=num_warps))
+        backward=functools.partial(backward, interpret=interpret, block_v=backward_block_v,
+                                   num_warps=backward_num_warps))

@@ -1,0 +1,29 @@
+"""Pieces shared by the command lines (`palimpsa_jax.train`, `palimpsa_jax.sweep`)."""
+from __future__ import annotations
+
+import re
+import sys
+
+from absl import app, flags, logging
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with an unknown `--config.<key>` reported like other flag errors."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (KeyError, AttributeError) as e:        # ml_collections' unknown key
+        while e.args and isinstance(e.args[0], BaseException):
+            e = e.args[0]
+        detail = str(e.args[0] if e.args else e).replace("\n", "; ")
+        unknown = re.match(r"'(\w+)'", detail)
+        keys = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+        culprits = [k for k in keys if unknown and unknown[1] in k.split(".")[1:]] or keys
+        sys.stderr.write(f"FATAL Flags parsing error: {', '.join(culprits)}: unknown config key "
+                         f"({detail})\n")
+        sys.exit(1)
+
+
+def quiet_logging() -> None:
+    """Warnings and errors only (orbax logs every save at INFO), unless --verbosity is given."""
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)

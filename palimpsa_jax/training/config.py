@@ -1,0 +1,199 @@
+"""The experiment configuration: one ml_collections ConfigDict per run, its defaults and checks.
+
+Sections (every key is documented in `base_config`): model (the fields of `ModelConfig`), data,
+batch_size, train, optim, mesh, sharding, checkpoint, log, eval. Experiment files
+(`experiments/**.py`) start from `base_config()` or `mqar_config()` and set what differs.
+`check_config` validates a config before anything is compiled, with errors naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import ml_collections
+
+from palimpsa_jax import sharding
+from palimpsa_jax.models import ModelConfig, preset
+
+SCHEDULES = ("cosine", "linear", "constant")
+DATA_KINDS = ("mqar", "text")
+
+
+def model_fields(config: ModelConfig) -> ml_collections.ConfigDict:
+    """The fields of a ModelConfig as a ConfigDict (so each can be overridden; an optional
+    field that is None becomes a typed placeholder, e.g. `--config.model.chunk_size=16`)."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields = {}
+    for name, value in dataclasses.asdict(config).items():
+        if value is None:
+            (field_type,) = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+            value = ml_collections.FieldReference(None, field_type=field_type)
+        fields[name] = value
+    return ml_collections.ConfigDict(fields)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key with its default. `model` and `data` are filled in by the experiment."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0                       # parameter initialisation
+    c.model = ml_collections.ConfigDict()
+    c.data = ml_collections.ConfigDict()
+    c.batch_size = 32                # global batch (sequences per optimiser step)
+    c.train = ml_collections.ConfigDict(dict(
+        steps=1000,                  # optimiser steps
+        grad_accum=1,                # micro-batches per step (batch_size / grad_accum each)
+    ))
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-3,                     # peak learning rate
+        metaplastic_lr=ml_collections.FieldReference(None, field_type=float),
+                                     # peak LR of W_b1, W_b2, b_scale, Ip_log (None: lr)
+        warmup_steps=100,
+        schedule="cosine",           # after warmup: cosine | linear (to min_lr_ratio lr) | constant
+        min_lr_ratio=0.0,
+        b1=0.9, b2=0.95, eps=1e-8,
+        weight_decay=0.1,            # AdamW, not on norms, biases, A_log, dt_bias, D, b_scale, Ip_log
+        clip_norm=1.0,               # global gradient norm clipping (0: off)
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))   # -1: remaining devices
+    c.sharding = ml_collections.ConfigDict(dict(rules=[list(r) for r in sharding.DEFAULT_RULES]))
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        every_steps=200,             # also at the last step
+        keep=3,                      # checkpoints kept
+        async_save=True,
+    ))
+    c.log = ml_collections.ConfigDict(dict(
+        every_steps=10,              # TensorBoard scalars and metrics.jsonl
+        diagnostics_every_steps=100, # metaplasticity diagnostics (0: off)
+        progress=True,               # tqdm progress bar
+    ))
+    c.eval = ml_collections.ConfigDict(dict(
+        every_steps=200,             # also at the last step (0: only at the end)
+        batch_size=64,
+    ))
+    return c
+
+
+def mqar_config(mixer: str, arg: str | None = None, **model_changes) -> ml_collections.ConfigDict:
+    """MQAR (SPEC section 5) with the mixer's MQAR preset (d_model 128, 2 layers, no MLP).
+
+    arg None / "": the small CPU variant (sequence 64, 4 pairs, vocabulary 128, 400 steps of 64
+    sequences; evaluated on sequences of 64 / 4 pairs and, beyond the training length, 128 / 8).
+    "paper": the paper's setting at sequence 512 with 128 pairs (vocabulary
+    8192, 100k train / 3k test examples, batch 128, 64 epochs); the paper's other setting is
+    `--config.data.seq_len=1024 --config.data.num_pairs=256 --config.batch_size=64`.
+    """
+    c = base_config()
+    if arg in (None, ""):
+        # chunks of 16: the chunked XLA kernels run about twice as fast on CPUs as with 64
+        c.model = model_fields(preset(f"mqar-{mixer}", **{"vocab_size": 128, "chunk_size": 16,
+                                                          **model_changes}))
+        c.data = ml_collections.ConfigDict(dict(
+            kind="mqar", vocab_size=c.model.vocab_size, seq_len=64, num_pairs=4,
+            num_train=100_000, num_test=1_000, power_a=0.01, seed=0,
+            eval_slices=((64, 4), (128, 8))))
+        c.batch_size = 64
+        c.train.steps = 400
+        c.optim.update(lr=1e-2, warmup_steps=50, weight_decay=0.1, b2=0.999)
+        c.checkpoint.every_steps = 100
+        c.log.update(every_steps=10, diagnostics_every_steps=100)
+        c.eval.update(every_steps=200, batch_size=200)
+    elif arg == "paper":
+        c.model = model_fields(preset(f"mqar-{mixer}", **model_changes))
+        c.data = ml_collections.ConfigDict(dict(
+            kind="mqar", vocab_size=8192, seq_len=512, num_pairs=128, num_train=100_000,
+            num_test=3_000, power_a=0.01, seed=0, eval_slices=()))
+        c.batch_size = 128
+        c.train.steps = 64 * 100_000 // 128          # 64 epochs
+        c.optim.update(lr=3e-3, warmup_steps=500, weight_decay=0.1, b2=0.999)
+        c.checkpoint.every_steps = 2000
+        c.log.update(every_steps=50, diagnostics_every_steps=1000)
+        c.eval.update(every_steps=2000, batch_size=250)
+    else:
+        raise ValueError(f"config argument must be empty or 'paper', got {arg!r}")
+    return c
+
+
+def _positive_int(c, key: str, allow_zero: bool = False) -> None:
+    value = _get(c, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+        raise ValueError(f"{key} must be a {'non-negative' if allow_zero else 'positive'} "
+                         f"integer, got {value!r}")
+
+
+def _get(c, key: str):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def check_config(c: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
+    """Validates the whole config (before anything is built) and returns the ModelConfig.
+
+    Raises ValueError naming the offending key.
+    """
+    try:
+        model = ModelConfig(**c.model.to_dict())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model: {e}") from None
+    for key in ("batch_size", "train.steps", "train.grad_accum", "checkpoint.keep",
+                "eval.batch_size", "log.every_steps"):
+        _positive_int(c, key)
+    for key in ("optim.warmup_steps", "checkpoint.every_steps", "log.diagnostics_every_steps",
+                "eval.every_steps"):
+        _positive_int(c, key, allow_zero=True)
+    o = c.optim
+    if not o.lr > 0:
+        raise ValueError(f"optim.lr must be > 0, got {o.lr!r}")
+    if o.metaplastic_lr is not None and not o.metaplastic_lr > 0:
+        raise ValueError(f"optim.metaplastic_lr must be > 0 or None, got {o.metaplastic_lr!r}")
+    if o.schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {o.schedule!r}")
+    for key, low, high in (("min_lr_ratio", 0, 1), ("b1", 0, 1), ("b2", 0, 1)):
+        if not low <= o[key] <= high:
+            raise ValueError(f"optim.{key} must be in [{low}, {high}], got {o[key]!r}")
+    for key in ("eps", "weight_decay", "clip_norm"):
+        if not o[key] >= 0:
+            raise ValueError(f"optim.{key} must be >= 0, got {o[key]!r}")
+    mesh = sharding.make_mesh(c.mesh.to_dict(), devices=range(num_devices))
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if c.batch_size % (batch_devices * c.train.grad_accum):
+        raise ValueError(f"batch_size ({c.batch_size}) must be divisible by mesh.data x mesh.fsdp "
+                         f"x train.grad_accum ({mesh.shape['data']} x {mesh.shape['fsdp']} x "
+                         f"{c.train.grad_accum})")
+    if c.eval.batch_size % batch_devices:
+        raise ValueError(f"eval.batch_size ({c.eval.batch_size}) must be divisible by mesh.data x "
+                         f"mesh.fsdp ({batch_devices})")
+    rules = [tuple(r) for r in c.sharding.rules]
+    sharding.check_rules(rules, mesh)
+    _check_heads(model, mesh, rules)
+    _check_data(c.data, model)
+    return model
+
+
+def _check_heads(model: ModelConfig, mesh, rules) -> None:
+    """The kernels run per shard of heads: every mixer's head count must divide evenly."""
+    axes = sharding.logical_spec(("heads",), rules)[0]
+    size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    heads = {"model.num_heads": model.num_heads}
+    if {"mamba2", "palimpsa_m"} & set(model.mixers):
+        heads["model.ssm_expand x d_model / ssm_head_dim"] = (model.ssm_expand * model.d_model
+                                                             // model.ssm_head_dim)
+    for key, count in heads.items():
+        if count % size:
+            raise ValueError(f"{key} ({count}) must be divisible by the mesh axes of 'heads' "
+                             f"({axes}: {size} devices)")
+
+
+def _check_data(d, model: ModelConfig) -> None:
+    if d.get("kind") not in DATA_KINDS:
+        raise ValueError(f"data.kind must be one of {DATA_KINDS}, got {d.get('kind')!r}")
+    if d.get("vocab_size", model.vocab_size) != model.vocab_size:
+        raise ValueError(f"data.vocab_size ({d.vocab_size}) must equal model.vocab_size "
+                         f"({model.vocab_size})")
+    if d.kind == "text" and not d.get("path"):
+        raise ValueError("data.path must name the training corpus (a .npy file of token ids; "
+                         "see palimpsa_jax.data.write_corpus)")
+    seq_len = d.get("seq_len")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"data.seq_len must be a positive integer, got {seq_len!r}")

@@ -1,0 +1,302 @@
+"""The training loop: `train_and_evaluate(config, workdir)`.
+
+One jitted step with explicit shardings (parameters and optimiser state by logical-axis rules,
+batches over data x fsdp, kernels per shard), gradient accumulation inside the step, bf16 (or
+the model's) compute over float32 master weights, periodic evaluation, diagnostics, logging and
+asynchronous checkpoints of the state and of the data iterator.
+
+Files in the workdir: config.json (the resolved config), checkpoints/<step>/, tensorboard/,
+metrics.jsonl (every logged step), metrics.json (final metrics).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from palimpsa_jax import data, sharding
+from palimpsa_jax.models import CausalLM, weight_decay_mask
+from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
+from palimpsa_jax.training.config import check_config
+
+Array = jax.Array
+IGNORE = -100
+# Keys of the config that may change when a run is resumed.
+RESUMABLE_CHANGES = ("train.steps", "log", "eval.every_steps", "checkpoint.every_steps",
+                     "checkpoint.keep")
+
+
+def maybe_initialize_distributed() -> None:
+    """jax.distributed.initialize() for multi-process runs: when JAX_COORDINATOR_ADDRESS is set
+    (with JAX_NUM_PROCESSES and JAX_PROCESS_ID), or PALIMPSA_DISTRIBUTED=1 to let JAX detect the
+    cluster (SLURM, Open MPI, Cloud TPU)."""
+    if jax.distributed.is_initialized():
+        return
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"],
+                                   int(os.environ["JAX_NUM_PROCESSES"]),
+                                   int(os.environ["JAX_PROCESS_ID"]))
+    elif os.environ.get("PALIMPSA_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+
+
+def token_metrics(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
+    """Summed cross-entropy, number of correct argmax predictions and number of scored tokens
+    (labels != -100); logits (B, T, V) float32, labels (B, T)."""
+    scored = labels != IGNORE
+    safe = jnp.where(scored, labels, 0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    correct = (jnp.argmax(logits, -1) == safe) & scored
+    return (jnp.sum(jnp.where(scored, losses, 0.0)), jnp.sum(correct, dtype=jnp.int32),
+            jnp.sum(scored, dtype=jnp.int32))
+
+
+class Trainer:
+    """Builds the model, optimiser, step functions and shardings of one config on a mesh."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.model_config = check_config(config, jax.device_count())
+        self.mesh = sharding.make_mesh(config.mesh.to_dict())
+        self.rules = tuple(tuple(rule) for rule in config.sharding.rules)
+        sharding.check_rules(self.rules, self.mesh)
+        batch_spec = sharding.logical_spec(("batch", None), self.rules)
+        self.batch_sharding = NamedSharding(self.mesh, batch_spec)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        model = nnx.eval_shape(lambda: CausalLM(self.model_config, rngs=nnx.Rngs(config.seed)))
+        self.graphdef, params, constants = nnx.split(model, nnx.Param, ...)
+        self.tx, self.schedule = optim.optimizer(config.optim, config.train.steps, params,
+                                                 weight_decay_mask(model))
+        shardings = {"params": sharding.state_shardings(params, self.mesh, self.rules),
+                     "constants": sharding.state_shardings(constants, self.mesh, self.rules)}
+        opt_state = jax.eval_shape(self.tx.init, params)
+        shardings["opt_state"] = optax.tree_map_params(
+            self.tx, lambda _, s: s, opt_state, shardings["params"],
+            transform_non_params=lambda _: self.replicated)
+        shardings["step"] = self.replicated
+        self.state_shardings = shardings
+        self.abstract_state = checkpoint.abstract(
+            {"params": params, "constants": constants, "opt_state": opt_state,
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}, shardings)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def init_state(self) -> dict:
+        """Fresh parameters (from config.seed) and optimiser state, sharded."""
+        def init():
+            model = CausalLM(self.model_config, rngs=nnx.Rngs(self.config.seed))
+            _, params, constants = nnx.split(model, nnx.Param, ...)
+            return {"params": params, "constants": constants, "opt_state": self.tx.init(params),
+                    "step": jnp.zeros((), jnp.int32)}
+        with sharding.use_mesh(self.mesh, self.rules):
+            return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def model(self, state: dict) -> nnx.Module:
+        return nnx.merge(self.graphdef, state["params"], state["constants"])
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _forward(self, params, constants, batch):
+        model = nnx.merge(self.graphdef, params, constants)
+        logits, _ = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
+        return token_metrics(logits, batch["labels"])
+
+    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
+        """One optimiser step over grad_accum micro-batches of the global batch."""
+        accum = self.config.train.grad_accum
+        micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+        def loss_sum(params, mb):
+            total, correct, count = self._forward(params, state["constants"], mb)
+            return total, (correct, count)
+
+        def accumulate(carry, mb):
+            (total, (correct, count)), grads = jax.value_and_grad(loss_sum, has_aux=True)(
+                state["params"], mb)
+            return jax.tree.map(jnp.add, carry, (grads, total, correct, count)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32),
+                 jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        (grads, total, correct, count), _ = jax.lax.scan(accumulate, zeros, micro)
+        count_f = jnp.maximum(count, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / count_f, grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        step_metrics = {"loss": total / count_f, "accuracy": correct / count_f,
+                        "grad_norm": optax.tree.norm(grads),
+                        "learning_rate": self.schedule(state["step"])}
+        return new_state, step_metrics
+
+    def eval_step(self, state: dict, batch: dict) -> tuple[Array, Array, Array]:
+        return self._forward(state["params"], state["constants"], batch)
+
+    def diagnostics_step(self, state: dict, batch: dict) -> dict[str, Array]:
+        return diagnostics.metaplasticity(self.model(state), batch["tokens"],
+                                          batch.get("segment_ids"))
+
+    def compile(self):
+        """The jitted train, eval and diagnostics steps (traced under the mesh's rules)."""
+        batch = self.batch_sharding
+        self.jit_train = jax.jit(self.train_step, in_shardings=(self.state_shardings, batch),
+                                 out_shardings=(self.state_shardings, self.replicated),
+                                 donate_argnums=0)
+        self.jit_eval = jax.jit(self.eval_step, in_shardings=(self.state_shardings, batch),
+                                out_shardings=self.replicated)
+        self.jit_diagnostics = jax.jit(self.diagnostics_step,
+                                       in_shardings=(self.state_shardings, batch),
+                                       out_shardings=self.replicated)
+
+    def global_batch(self, local: dict) -> dict:
+        """This process's numpy batch -> global arrays sharded over data x fsdp."""
+        return {name: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+                for name, x in local.items()}
+
+    # --- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self, state: dict) -> dict[str, float]:
+        """MQAR: accuracy (and loss) per (sequence length, pairs) slice and overall; text: loss
+        and perplexity on data.test_path (no evaluation without one)."""
+        c = self.config
+        local = c.eval.batch_size // jax.process_count()
+        shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
+        if c.data.kind == "mqar":
+            slices = data.mqar_eval_slices(c.data, batch_size=local, **shard)
+            named = {f"seq{s}_pairs{p}": ds for (s, p), ds in slices.items()}
+        elif c.data.get("test_path"):
+            named = {"test": data.make_dataset(c.data, split="test", batch_size=local, seed=0,
+                                               **shard)}
+        else:
+            return {}
+        results, totals = {}, np.zeros(3)
+        with sharding.use_mesh(self.mesh, self.rules):
+            for name, dataset in named.items():
+                sums = np.zeros(3)
+                for batch in dataset:
+                    sums += np.array([float(x) for x in self.jit_eval(state, self.global_batch(batch))])
+                loss, correct, count = sums
+                results[f"eval/{name}/loss"] = float(loss / max(count, 1))
+                results[f"eval/{name}/accuracy"] = float(correct / max(count, 1))
+                totals += sums
+        loss, correct, count = totals
+        results["eval/loss"] = float(loss / max(count, 1))
+        results["eval/accuracy"] = float(correct / max(count, 1))
+        if c.data.kind == "text":
+            results["eval/perplexity"] = math.exp(min(results["eval/loss"], 80.0))
+        return results
+
+
+def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
+    """Creates workdir and config.json, or checks a resumed run's config against its own."""
+    saved_path = workdir / "config.json"
+    resolved = json.loads(config.to_json_best_effort())
+    if resume:
+        if not saved_path.exists():
+            raise checkpoint.CheckpointError(f"--resume: {saved_path} does not exist; nothing to "
+                                             f"resume in {workdir}")
+        saved = _flatten(ml_collections.ConfigDict(json.loads(saved_path.read_text())))
+        now = _flatten(ml_collections.ConfigDict(resolved))
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)
+                         and not k.startswith(RESUMABLE_CHANGES))
+        if changed:
+            raise ValueError(f"--resume: the config differs from the run's config.json in {changed}"
+                             f"; only {RESUMABLE_CHANGES} may change")
+    elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+        raise ValueError(f"workdir {workdir} already holds checkpoints: pass --resume to continue "
+                         f"that run, or choose a new workdir")
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        saved_path.write_text(json.dumps(resolved, indent=2) + "\n")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
+                       resume: bool = False) -> dict[str, float]:
+    """Trains config.train.steps steps (continuing from the last checkpoint if resume) and
+    returns the final metrics (also written to workdir/metrics.json)."""
+    maybe_initialize_distributed()
+    workdir = pathlib.Path(workdir)
+    trainer = Trainer(config)                        # validates the config first
+    _prepare_workdir(workdir, config, resume)
+    c = config
+    lead = jax.process_index() == 0
+    writer = metrics.MetricWriter(workdir, enabled=lead)
+    ckpt = checkpoint.Checkpoints(workdir, every_steps=c.checkpoint.every_steps,
+                                  keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
+    local_batch = c.batch_size // jax.process_count()
+    dataset = data.make_dataset(c.data, split="train", batch_size=local_batch, seed=c.data.seed,
+                                shard_index=jax.process_index(), shard_count=jax.process_count())
+    batches = iter(dataset)
+    if resume:
+        start, state, data_state = ckpt.restore(trainer.abstract_state)
+        batches.set_state(data_state)
+        writer.truncate(start)
+    else:
+        start, state = 0, trainer.init_state()
+    trainer.compile()
+
+    steps, final, last = c.train.steps, {}, {}
+    progress = tqdm(total=steps, initial=start, disable=not (lead and c.log.progress),
+                    dynamic_ncols=True, desc=workdir.name)
+    tokens_per_step = c.batch_size * c.data.seq_len
+    clock, clock_step = time.perf_counter(), start
+    try:
+        for step in range(start + 1, steps + 1):
+            batch = trainer.global_batch(next(batches))
+            with sharding.use_mesh(trainer.mesh, trainer.rules):
+                state, step_metrics = trainer.jit_train(state, batch)
+            progress.update(1)
+            is_last = step == steps
+            if step % c.log.every_steps == 0 or is_last:
+                last = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+                now = time.perf_counter()
+                throughput = tokens_per_step * (step - clock_step) / (now - clock)
+                clock, clock_step = now, step
+                writer.scalars(step, last)
+                writer.scalars(step, {"train/tokens_per_s": throughput}, record=False)
+                final["train/tokens_per_s"] = throughput
+                progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{throughput:.3g}")
+            if c.log.diagnostics_every_steps and (step % c.log.diagnostics_every_steps == 0 or is_last):
+                with sharding.use_mesh(trainer.mesh, trainer.rules):
+                    diag = trainer.jit_diagnostics(state, batch)
+                writer.scalars(step, diagnostics.per_head_scalars(jax.device_get(diag)), record=False)
+            if (c.eval.every_steps and step % c.eval.every_steps == 0) or is_last:
+                results = trainer.evaluate(state)
+                writer.scalars(step, results)
+                final.update(results)
+            ckpt.save(step, state, batches.get_state(), force=is_last)
+        if start == steps:      # resumed after the last checkpoint: only the final metrics are due
+            final.update(trainer.evaluate(state))
+            last = next((r for r in reversed(writer.records()) if "train/loss" in r), {})
+            last = {k: v for k, v in last.items() if k.startswith("train/")}
+        writer.flush()
+    finally:
+        progress.close()
+        ckpt.close()
+        writer.close()
+    final.update(last)
+    final["step"] = steps
+    writer.final(final)
+    return final

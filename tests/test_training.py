@@ -1,0 +1,290 @@
+"""The training system: the launcher, sharded steps, checkpoints, logging, configs.
+
+Runs that need their own process (8 simulated devices, SIGKILL) go through the real command
+line, `python -m palimpsa_jax.train`, on a tiny MQAR config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from palimpsa_jax.training import Trainer, mqar_config, train_and_evaluate
+from palimpsa_jax.training.checkpoint import CheckpointError
+from palimpsa_jax.training.optim import param_groups
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXPERIMENT = ROOT / "experiments" / "mqar" / "palimpsa_d.py"
+
+# A tiny MQAR run: 2 layers of Palimpsa-D, d_model 64, 4 heads of 16, vocabulary 64.
+TINY = {
+    "model.vocab_size": 64, "model.d_model": 64, "model.num_heads": 4, "model.head_dim": 16,
+    "model.expand_v": 1, "model.beta_rank": 8, "model.chunk_size": 16,
+    "data.vocab_size": 64, "data.seq_len": 32, "data.num_pairs": 4, "data.num_train": 512,
+    "data.num_test": 32, "data.eval_slices": ((32, 4),),
+    "batch_size": 16, "train.steps": 6, "optim.warmup_steps": 2,
+    "log.every_steps": 1, "log.diagnostics_every_steps": 3, "log.progress": False,
+    "eval.every_steps": 3, "eval.batch_size": 16, "checkpoint.every_steps": 2,
+}
+
+
+def tiny_config(**changes):
+    config = mqar_config("palimpsa_d")
+    for key, value in {**TINY, **changes}.items():
+        section, _, name = key.rpartition(".")
+        (config[section] if section else config)[name] = value
+    return config
+
+
+def cli(workdir, *, devices=1, resume=False, **changes) -> subprocess.Popen:
+    """The launcher in a fresh process on `devices` simulated CPU devices."""
+    flags = [f"--config.{k}={v!r}" if isinstance(v, tuple) else f"--config.{k}={v}"
+             for k, v in {**TINY, **changes}.items()]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "palimpsa_jax.train", f"--config={EXPERIMENT}",
+               f"--workdir={workdir}", *flags] + (["--resume"] if resume else [])
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def records(workdir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(workdir) -> np.ndarray:
+    return np.array([r["train/loss"] for r in records(workdir) if "train/loss" in r])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One in-process tiny run (6 steps, checkpoints every 2, eval and diagnostics every 3)."""
+    workdir = tmp_path_factory.mktemp("tiny")
+    final = train_and_evaluate(tiny_config(), workdir)
+    return workdir, final
+
+
+def test_mqar_loss_falls_and_accuracy_rises_above_chance(tmp_path):
+    """300 steps of the MQAR model (d_model 128, 8 heads) on 4 pairs in sequences of 32 with 32
+    values to recall (chance 1/32): the test accuracy ends several times above chance."""
+    config = tiny_config(**{
+        "model.d_model": 128, "model.num_heads": 8, "model.expand_v": 2, "model.beta_rank": 32,
+        "train.steps": 300, "batch_size": 32, "optim.lr": 1e-2, "optim.warmup_steps": 30,
+        "data.num_train": 20_000, "data.num_test": 256, "eval.every_steps": 0,
+        "eval.batch_size": 64, "log.every_steps": 10, "log.diagnostics_every_steps": 0,
+        "checkpoint.every_steps": 0})
+    final = train_and_evaluate(config, tmp_path)
+    trajectory = losses(tmp_path)
+    assert trajectory[-5:].mean() < trajectory[:5].mean() - 0.5
+    assert final["eval/accuracy"] > 3 / 32
+
+
+def test_run_writes_config_metrics_checkpoints(tiny_run):
+    workdir, final = tiny_run
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["model"]["d_model"] == 64 and saved["train"]["steps"] == 6
+    assert json.loads((workdir / "metrics.json").read_text()) == pytest.approx(final)
+    assert {"eval/accuracy", "eval/seq32_pairs4/accuracy", "train/loss", "step"} <= set(final)
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
+    assert [r["step"] for r in records(workdir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert np.all(np.isfinite(losses(workdir)))
+
+
+def test_tensorboard_tags(tiny_run):
+    workdir, _ = tiny_run
+    events = EventAccumulator(str(workdir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm",
+                "train/tokens_per_s", "eval/accuracy", "eval/seq32_pairs4/accuracy"}
+    for layer in ("00", "01"):
+        for stat in ("importance_mean", "importance_min", "importance_max", "memory_window",
+                     "b_scale"):
+            expected |= {f"metaplasticity/layer_{layer}/{stat}/head_{h:02d}" for h in range(4)}
+            expected.add(f"metaplasticity/layer_{layer}/{stat}/mean")
+    assert expected <= tags, sorted(expected - tags)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("metaplasticity/layer_00/importance_mean/head_00")] == [3, 6]
+    importance = {stat: events.Scalars(f"metaplasticity/layer_01/importance_{stat}/head_02")[-1].value
+                  for stat in ("min", "mean", "max")}
+    # the importance starts at the prior (1) and only accumulates evidence or relaxes back to it
+    assert 0 < importance["min"] <= importance["mean"] <= importance["max"]
+    assert events.Scalars("metaplasticity/layer_00/memory_window/head_00")[-1].value >= 1.0
+
+
+def test_resume_needs_a_checkpoint(tmp_path, tiny_run):
+    with pytest.raises(CheckpointError, match="config.json does not exist"):
+        train_and_evaluate(tiny_config(), tmp_path / "empty", resume=True)
+    workdir = tmp_path / "no_checkpoints"
+    workdir.mkdir()
+    shutil.copy(tiny_run[0] / "config.json", workdir)
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        train_and_evaluate(tiny_config(), workdir, resume=True)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_run):
+    workdir = tmp_path / "corrupt"
+    shutil.copytree(tiny_run[0], workdir)
+    for f in (workdir / "checkpoints" / "6" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0" * 7)
+    with pytest.raises(CheckpointError, match=r"checkpoints/6 could not be restored"):
+        train_and_evaluate(tiny_config(**{"train.steps": 8}), workdir, resume=True)
+
+
+def test_existing_run_is_not_overwritten(tiny_run):
+    with pytest.raises(ValueError, match="already holds checkpoints: pass --resume"):
+        train_and_evaluate(tiny_config(), tiny_run[0])
+
+
+def test_resume_refuses_a_changed_config(tiny_run, tmp_path):
+    workdir = tmp_path / "changed"
+    shutil.copytree(tiny_run[0], workdir)
+    with pytest.raises(ValueError, match=r"differs .* in \['optim.lr'\]"):
+        train_and_evaluate(tiny_config(**{"optim.lr": 0.5}), workdir, resume=True)
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+    changes = {"train.steps": 3, "log.diagnostics_every_steps": 0, "eval.every_steps": 0,
+               "checkpoint.async_save": False}
+    train_and_evaluate(tiny_config(**changes), tmp_path / "full")
+    train_and_evaluate(tiny_config(**changes, **{"train.grad_accum": 4}), tmp_path / "accum")
+    np.testing.assert_allclose(losses(tmp_path / "accum"), losses(tmp_path / "full"), rtol=2e-5)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("optim.lr", -1e-3, "optim.lr must be > 0"),
+    ("model.mixers", ("palimpsa_x",), "model: mixers must be names from"),
+    ("train.grad_accum", 3, r"batch_size \(16\) must be divisible by mesh.data x mesh.fsdp x train.grad_accum"),
+    ("mesh.tensor", 2, r"mesh.data = -1: the other axes \(2 devices\) do not divide the 1 devices"),
+    ("data.kind", "images", "data.kind must be one of"),
+    ("data.vocab_size", 128, r"data.vocab_size \(128\) must equal model.vocab_size"),
+    ("optim.schedule", "step", "optim.schedule must be one of"),
+    ("sharding.rules", [["heads", "model"]], "sharding.rules: 'heads' maps to 'model'"),
+    ("sharding.rules", [["batch", "data"]], r"sharding.rules has no rule for the logical axes \['heads'\]"),
+])
+def test_bad_config_fails_before_compiling(monkeypatch, key, value, message):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled before the config was checked")
+    monkeypatch.setattr(jax, "jit", no_compile)
+    with pytest.raises(ValueError, match=message):
+        Trainer(tiny_config(**{key: value}))
+
+
+def test_batch_must_divide_over_data_axis():
+    """On 8 devices (checked against the device count the config will run on)."""
+    from palimpsa_jax.training import check_config
+    with pytest.raises(ValueError, match=r"batch_size \(12\) must be divisible by mesh.data x "
+                                         r"mesh.fsdp x train.grad_accum \(8 x 1 x 1\)"):
+        check_config(tiny_config(batch_size=12), num_devices=8)
+
+
+def test_heads_must_divide_over_the_tensor_axis():
+    from palimpsa_jax.training import check_config
+    config = tiny_config(**{"model.num_heads": 3, "model.head_dim": 16, "mesh.tensor": 2})
+    with pytest.raises(ValueError, match=r"model.num_heads \(3\) must be divisible by the mesh "
+                                         r"axes of 'heads' \(tensor: 2 devices\)"):
+        check_config(config, num_devices=8)
+
+
+def test_unknown_override_key_is_an_error(tmp_path):
+    process = cli(tmp_path / "typo", **{"optim.lrr": 1e-3})
+    _, err = process.communicate(timeout=300)
+    assert process.returncode != 0 and "lrr" in err
+
+
+def test_metaplastic_parameters_have_their_own_group():
+    trainer = Trainer(tiny_config())
+    params = trainer.abstract_state["params"]
+    groups = {jax.tree_util.keystr(path): group for path, group in
+              jax.tree_util.tree_leaves_with_path(param_groups(params))}
+    metaplastic = {path for path, group in groups.items() if group == "metaplastic"}
+    assert metaplastic and all(any(name in path for name in ("W_b1", "W_b2", "b_scale"))
+                               for path in metaplastic)
+    assert any("W_q" in p for p, g in groups.items() if g == "default")
+
+
+def test_eight_devices_match_one(tmp_path):
+    """data x tensor, fsdp x tensor and data x fsdp x tensor meshes give the single-device loss
+    trajectory (float32 tolerance)."""
+    changes = {"train.steps": 4, "log.diagnostics_every_steps": 2, "eval.every_steps": 4}
+    meshes = {"data4_tensor2": {"mesh.data": 4, "mesh.tensor": 2},
+              "fsdp4_tensor2": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2},
+              "data2_fsdp2_tensor2": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+    finish(cli(tmp_path / "one", **changes))
+    for name, mesh in meshes.items():
+        finish(cli(tmp_path / name, devices=8, **changes, **mesh))
+        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "one"), rtol=1e-4,
+                                   err_msg=name)
+        accuracy = lambda w: json.loads((w / "metrics.json").read_text())["eval/accuracy"]
+        assert accuracy(tmp_path / name) == pytest.approx(accuracy(tmp_path / "one"), abs=1e-6)
+
+
+def test_killed_run_resumes_step_for_step(tmp_path):
+    """SIGKILL after the checkpoint of step 8, then --resume: the same metrics at every step as
+    an uninterrupted run (data iterator included)."""
+    changes = {"train.steps": 40, "checkpoint.every_steps": 4, "eval.every_steps": 20,
+               "log.diagnostics_every_steps": 0}
+    finish(cli(tmp_path / "whole", **changes))
+
+    killed = cli(tmp_path / "killed", **changes)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "8"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate()
+    assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done = [r["step"] for r in records(tmp_path / "killed") if "train/loss" in r]
+    assert 8 <= done[-1] < 40
+
+    finish(cli(tmp_path / "killed", resume=True, **changes))
+    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "killed")
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
+    for a, b in zip(resumed, whole):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-6, err_msg=str(a["step"]))
+
+
+def test_language_model_on_a_local_corpus(tmp_path):
+    """experiments/lm/palimpsa_d.py on packed documents (segment ids): trains, evaluates
+    perplexity on the test corpus, logs diagnostics."""
+    import importlib.util
+
+    from palimpsa_jax.data import write_corpus
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(3, 128, size=rng.integers(3, 40)).tolist() for _ in range(64)]
+    write_corpus(tmp_path / "train.npy", documents, eos_id=2)
+    write_corpus(tmp_path / "test.npy", documents[:6], eos_id=2)
+    spec = importlib.util.spec_from_file_location("lm", ROOT / "experiments" / "lm" / "palimpsa_d.py")
+    experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiment)
+    config = experiment.get_config()
+    config.model.update(vocab_size=128, d_model=32, n_layers=2, num_heads=2, head_dim=16,
+                        mlp_hidden=64, beta_rank=4)
+    config.data.update(path=str(tmp_path / "train.npy"), test_path=str(tmp_path / "test.npy"),
+                       seq_len=32)
+    config.batch_size, config.train.steps = 4, 3
+    config.log.update(every_steps=1, diagnostics_every_steps=3, progress=False)
+    config.eval.update(every_steps=0, batch_size=4)
+    final = train_and_evaluate(config, tmp_path / "run")
+    assert np.isfinite(final["eval/perplexity"]) and final["eval/perplexity"] > 1
+    assert final["eval/perplexity"] == pytest.approx(np.exp(final["eval/loss"]))
+    assert losses(tmp_path / "run").shape == (3,)
+    with pytest.raises(ValueError, match="data.path must name the training corpus"):
+        Trainer(experiment.get_config())
