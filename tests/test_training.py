@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from palimpsa_jax.data import make_dataset
 from palimpsa_jax.training import Trainer, mqar_config, train_and_evaluate
 from palimpsa_jax.training.checkpoint import CheckpointError
 from palimpsa_jax.training.optim import param_groups
@@ -219,6 +220,33 @@ def test_metaplastic_parameters_have_their_own_group():
     assert any("W_q" in p for p, g in groups.items() if g == "default")
 
 
+def test_metaplastic_learning_rate_scales_only_its_group():
+    """One step with optim.metaplastic_lr = lr / 1000: the metaplastic parameters move 1000x less
+    than with metaplastic_lr = lr (to float32 rounding of parameters near 1), every other
+    parameter exactly as much."""
+    def deltas(metaplastic_lr):
+        trainer = Trainer(tiny_config(**{"optim.metaplastic_lr": metaplastic_lr,
+                                         "optim.warmup_steps": 0, "optim.weight_decay": 0.0}))
+        state = trainer.init_state()
+        before = jax.tree.map(np.asarray, state["params"])
+        trainer.compile()
+        batch = next(iter(make_dataset(trainer.config.data, split="train", batch_size=16, seed=0)))
+        state, _ = trainer.jit_train(state, trainer.global_batch(batch))
+        moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state["params"], before)
+        groups = param_groups(state["params"])
+        return {jax.tree_util.keystr(p): (g, m) for (p, g), m in zip(
+            jax.tree_util.tree_leaves_with_path(groups), jax.tree.leaves(moved))}
+
+    lr = tiny_config().optim.lr
+    same, slow = deltas(lr), deltas(lr / 1000)
+    assert same.keys() == slow.keys()
+    for path, (group, moved) in same.items():
+        if group == "metaplastic":
+            assert slow[path][1] == pytest.approx(moved / 1000, rel=0.02), path
+        else:
+            assert slow[path][1] == moved, path
+
+
 def test_eight_devices_match_one(tmp_path):
     """data x tensor, fsdp x tensor and data x fsdp x tensor meshes give the single-device loss
     trajectory (float32 tolerance)."""
@@ -288,3 +316,20 @@ def test_language_model_on_a_local_corpus(tmp_path):
     assert losses(tmp_path / "run").shape == (3,)
     with pytest.raises(ValueError, match="data.path must name the training corpus"):
         Trainer(experiment.get_config())
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+    """4 steps on one device, then --resume on 8 devices (data 4 x tensor 2) to step 6, and the
+    reverse: the losses of an uninterrupted single-device run (float32 tolerance)."""
+    changes = {"train.steps": 6, "checkpoint.every_steps": 4, "log.diagnostics_every_steps": 0,
+               "eval.every_steps": 0, "optim.schedule": "constant"}   # same LRs whatever train.steps
+    finish(cli(tmp_path / "whole", **changes))
+    finish(cli(tmp_path / "grow", **{**changes, "train.steps": 4}))
+    finish(cli(tmp_path / "grow", devices=8, resume=True, **changes,
+               **{"mesh.data": 4, "mesh.tensor": 2}))
+    finish(cli(tmp_path / "shrink", devices=8, **{**changes, "train.steps": 4},
+               **{"mesh.data": 4, "mesh.tensor": 2}))
+    finish(cli(tmp_path / "shrink", resume=True, **changes))
+    for name in ("grow", "shrink"):
+        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "whole"), rtol=1e-4,
+                                   err_msg=name)

@@ -33,9 +33,10 @@ from palimpsa_jax.training.config import check_config
 
 Array = jax.Array
 IGNORE = -100
-# Keys of the config that may change when a run is resumed.
+# Keys of the config that may change when a run is resumed (the mesh too: checkpoints restore
+# onto the shardings of the new mesh).
 RESUMABLE_CHANGES = ("train.steps", "log", "eval.every_steps", "checkpoint.every_steps",
-                     "checkpoint.keep")
+                     "checkpoint.keep", "mesh", "sharding")
 
 
 def maybe_initialize_distributed() -> None:
