@@ -64,10 +64,19 @@ def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None
     return jax.sharding.Mesh(grid, MESH_AXES)
 
 
+def _axis_names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def axis_size(mesh: jax.sharding.Mesh, axes: str | tuple[str, ...] | None) -> int:
+    """Devices along the mesh axes of one PartitionSpec entry (1 for None)."""
+    return math.prod(mesh.shape[a] for a in _axis_names(axes))
+
+
 def check_rules(rules: Rules, mesh: jax.sharding.Mesh) -> None:
     """Every rule maps a logical name to None, a mesh axis or a tuple of mesh axes."""
     for name, axes in rules:
-        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+        for axis in _axis_names(axes):
             if axis not in mesh.axis_names:
                 raise ValueError(f"sharding.rules: {name!r} maps to {axis!r}, which is not a mesh "
                                  f"axis ({mesh.axis_names})")
@@ -90,7 +99,7 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules: Rules) -> 
     def sharding(path, names, value):
         spec = logical_spec(tuple(names), rules)
         for dim, axes in zip(value.shape, spec):
-            size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            size = axis_size(mesh, axes)
             if dim % size:
                 raise ValueError(f"parameter {jax.tree_util.keystr(path)} of shape {value.shape}: "
                                  f"dimension {dim} is not divisible by mesh axes {axes} ({size} "

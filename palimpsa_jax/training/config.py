@@ -8,7 +8,6 @@ batch_size, train, optim, mesh, sharding, checkpoint, log, eval. Experiment file
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 
 import ml_collections
@@ -114,6 +113,25 @@ def mqar_config(mixer: str, arg: str | None = None, **model_changes) -> ml_colle
     return c
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"optim.lr": 0.001, ...} from a nested dict (a config's JSON)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def changed_keys(saved: dict, now: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys whose values differ between two configs' JSON dicts, except the keys
+    under `allowed` (a key or a section, e.g. "train.steps" or "log")."""
+    saved, now = flatten(saved), flatten(now)
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)
+                  and not any(k == a or k.startswith(a + ".") for a in allowed))
+
+
 def _positive_int(c, key: str, allow_zero: bool = False) -> None:
     value = _get(c, key)
     if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
@@ -174,7 +192,7 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
 def _check_heads(model: ModelConfig, mesh, rules) -> None:
     """The kernels run per shard of heads: every mixer's head count must divide evenly."""
     axes = sharding.logical_spec(("heads",), rules)[0]
-    size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    size = sharding.axis_size(mesh, axes)
     heads = {"model.num_heads": model.num_heads}
     if {"mamba2", "palimpsa_m"} & set(model.mixers):
         heads["model.ssm_expand x d_model / ssm_head_dim"] = (model.ssm_expand * model.d_model

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from palimpsa_jax.training.config import changed_keys, flatten
 from palimpsa_jax.training.trainer import train_and_evaluate
 
 MIXER = "mixer"   # the column derived from model.mixers and model.metaplasticity
@@ -94,19 +95,9 @@ def mixer_label(config: ml_collections.ConfigDict) -> str:
                     for m in config.model.mixers)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _values(point: ml_collections.ConfigDict) -> dict[str, Any]:
     """Every key of the point (JSON values, as in its config.json), mixers as one `mixer`."""
-    flat = _flatten(json.loads(point.to_json_best_effort()))
+    flat = flatten(json.loads(point.to_json_best_effort()))
     del flat["model.mixers"], flat["model.metaplasticity"]
     return {MIXER: mixer_label(point), **flat}
 
@@ -166,10 +157,8 @@ def _has_checkpoint(run_dir: pathlib.Path) -> bool:
 
 def _check_finished(point: ml_collections.ConfigDict, run_dir: pathlib.Path) -> None:
     """A finished run is reused only if its config.json is the point's (up to NO_EFFECT keys)."""
-    saved = _flatten(json.loads((run_dir / "config.json").read_text()))
-    now = _flatten(json.loads(point.to_json_best_effort()))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)
-                     and not any(k == p or k.startswith(p + ".") for p in NO_EFFECT))
+    changed = changed_keys(json.loads((run_dir / "config.json").read_text()),
+                           json.loads(point.to_json_best_effort()), NO_EFFECT)
     if changed:
         raise ValueError(f"{run_dir} holds a finished run whose config differs from this sweep "
                          f"point in {changed}: remove that directory or choose another workdir")

@@ -15,7 +15,6 @@ import math
 import os
 import pathlib
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from tqdm import tqdm
 from palimpsa_jax import data, sharding
 from palimpsa_jax.models import CausalLM, weight_decay_mask
 from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
-from palimpsa_jax.training.config import check_config
+from palimpsa_jax.training.config import changed_keys, check_config
 
 Array = jax.Array
 IGNORE = -100
@@ -71,8 +70,7 @@ class Trainer:
         self.config = config
         self.model_config = check_config(config, jax.device_count())
         self.mesh = sharding.make_mesh(config.mesh.to_dict())
-        self.rules = tuple(tuple(rule) for rule in config.sharding.rules)
-        sharding.check_rules(self.rules, self.mesh)
+        self.rules = tuple(tuple(rule) for rule in config.sharding.rules)   # checked above
         batch_spec = sharding.logical_spec(("batch", None), self.rules)
         self.batch_sharding = NamedSharding(self.mesh, batch_spec)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -200,16 +198,6 @@ class Trainer:
         return results
 
 
-def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
     """Creates workdir and config.json, or checks a resumed run's config against its own."""
     saved_path = workdir / "config.json"
@@ -218,10 +206,7 @@ def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
         if not saved_path.exists():
             raise checkpoint.CheckpointError(f"--resume: {saved_path} does not exist; nothing to "
                                              f"resume in {workdir}")
-        saved = _flatten(ml_collections.ConfigDict(json.loads(saved_path.read_text())))
-        now = _flatten(ml_collections.ConfigDict(resolved))
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)
-                         and not k.startswith(RESUMABLE_CHANGES))
+        changed = changed_keys(json.loads(saved_path.read_text()), resolved, RESUMABLE_CHANGES)
         if changed:
             raise ValueError(f"--resume: the config differs from the run's config.json in {changed}"
                              f"; only {RESUMABLE_CHANGES} may change")
@@ -264,34 +249,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     tokens_per_step = c.batch_size * c.data.seq_len
     clock, clock_step = time.perf_counter(), start
     try:
-        for step in range(start + 1, steps + 1):
-            batch = trainer.global_batch(next(batches))
-            with sharding.use_mesh(trainer.mesh, trainer.rules):
+        with sharding.use_mesh(trainer.mesh, trainer.rules):   # kernels run per shard
+            for step in range(start + 1, steps + 1):
+                batch = trainer.global_batch(next(batches))
                 state, step_metrics = trainer.jit_train(state, batch)
-            progress.update(1)
-            is_last = step == steps
-            if step % c.log.every_steps == 0 or is_last:
-                last = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
-                now = time.perf_counter()
-                throughput = tokens_per_step * (step - clock_step) / (now - clock)
-                clock, clock_step = now, step
-                writer.scalars(step, last)
-                writer.scalars(step, {"train/tokens_per_s": throughput}, record=False)
-                final["train/tokens_per_s"] = throughput
-                progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{throughput:.3g}")
-            if c.log.diagnostics_every_steps and (step % c.log.diagnostics_every_steps == 0 or is_last):
-                with sharding.use_mesh(trainer.mesh, trainer.rules):
+                progress.update(1)
+                is_last = step == steps
+                if step % c.log.every_steps == 0 or is_last:
+                    last = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+                    now = time.perf_counter()
+                    throughput = tokens_per_step * (step - clock_step) / (now - clock)
+                    clock, clock_step = now, step
+                    writer.scalars(step, last)
+                    writer.scalars(step, {"train/tokens_per_s": throughput}, record=False)
+                    final["train/tokens_per_s"] = throughput
+                    progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{throughput:.3g}")
+                if c.log.diagnostics_every_steps and (step % c.log.diagnostics_every_steps == 0 or is_last):
                     diag = trainer.jit_diagnostics(state, batch)
-                writer.scalars(step, diagnostics.per_head_scalars(jax.device_get(diag)), record=False)
-            if (c.eval.every_steps and step % c.eval.every_steps == 0) or is_last:
-                results = trainer.evaluate(state)
-                writer.scalars(step, results)
-                final.update(results)
-            ckpt.save(step, state, batches.get_state(), force=is_last)
-        if start == steps:      # resumed after the last checkpoint: only the final metrics are due
-            final.update(trainer.evaluate(state))
-            last = next((r for r in reversed(writer.records()) if "train/loss" in r), {})
-            last = {k: v for k, v in last.items() if k.startswith("train/")}
+                    writer.scalars(step, diagnostics.per_head_scalars(jax.device_get(diag)), record=False)
+                if (c.eval.every_steps and step % c.eval.every_steps == 0) or is_last:
+                    results = trainer.evaluate(state)
+                    writer.scalars(step, results)
+                    final.update(results)
+                ckpt.save(step, state, batches.get_state(), force=is_last)
+            if start == steps:      # resumed after the last checkpoint: only the final metrics are due
+                final.update(trainer.evaluate(state))
+                last = next((r for r in reversed(writer.records()) if "train/loss" in r), {})
+                last = {k: v for k, v in last.items() if k.startswith("train/")}
         writer.flush()
     finally:
         progress.close()
