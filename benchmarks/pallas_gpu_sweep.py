@@ -1,10 +1,10 @@
 """Tuning sweep of the Pallas GPU kernels: tile rows x warps (forward, backward) per shape.
 
 Checks every configuration in float32 against the xla backend (forward and all gradients) on a
-small shape, then times forward and forward+backward on the chosen SPEC shapes, within a time
+small shape, then times forward and forward+backward on the chosen reference shapes, within a time
 limit. Prints a Markdown table last.
 
-    python benchmarks/pallas_gpu_sweep.py --shapes lm_170m long_seq --configs 8,2,8,4,16
+    python -m benchmarks.pallas_gpu_sweep --shapes lm_170m long_seq --configs 8,2,8,4,16
 
 A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward)
 and the chunk size C.
@@ -12,25 +12,17 @@ and the chunk size C.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 import statistics
 import sys
 import time
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels.palimpsa import pallas_gpu  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("kernel_benchmark", _HERE / "kernels.py")
-bench = sys.modules["kernel_benchmark"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmarks import kernel_speed as bench
+from palimpsa_jax import kernels
+from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.palimpsa import pallas_gpu
 
 
 def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_num_warps: int,
@@ -39,9 +31,11 @@ def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_
     B, T, H, Dk = xs["q"].shape
     Dv = xs["v"].shape[-1]
     zeros = jnp.zeros((B, H, Dv, Dk), jnp.float32)
-    o, _, _, _ = pallas_gpu.palimpsa(
-        xs["q"], xs["k"], xs["v"], xs["beta"], xs["log_alpha"], xs["prior"], zeros, zeros,
-        jnp.zeros((B, T), bool), scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
+    prior = jnp.broadcast_to(xs["prior"][:, None, None], (H, Dv, Dk))
+    reset, log_alpha = chunking.resets(None, xs["log_alpha"])
+    o, _, _, _ = pallas_gpu.palimpsa_pallas_gpu(
+        xs["q"], xs["k"], xs["v"], xs["beta"], log_alpha, prior, zeros, zeros,
+        reset, scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
         block_v=block_v, num_warps=num_warps, backward_block_v=backward_block_v,
         backward_num_warps=backward_num_warps)
     return o.astype(xs["v"].dtype)

@@ -1,7 +1,10 @@
-"""Public entry points: argument checks, state conventions and backend dispatch (SPEC section 4).
+"""Public entry points: argument checks, state conventions and backend dispatch (README
+"The kernel API").
 
-Backends receive float32 gates and prior, the state in natural parameters (M, Ibar) as float32,
-and a (B, T) bool reset mask built from segment ids; they return float32 outputs.
+Backends receive float32 gates with resets folded in (`chunking.resets`: a (B, T, H) mask, True
+where a segment id changes or alpha = 0, and log_alpha 0 there), the Palimpsa prior as an
+(H, Dv, Dk) float32 array and the state in natural parameters (M, Ibar) as float32; they return
+float32 outputs.
 """
 from __future__ import annotations
 
@@ -10,33 +13,35 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from kernels import chunking, validation
-from kernels.gated_deltanet import chunk as gated_delta_chunk
-from kernels.gated_deltanet import naive as gated_delta_naive
-from kernels.gla import chunk as gla_chunk
-from kernels.gla import naive as gla_naive
-from kernels.palimpsa import chunk as palimpsa_chunk
-from kernels.palimpsa import naive as palimpsa_naive
-from kernels.palimpsa import pallas_gpu as palimpsa_pallas_gpu
-from kernels.palimpsa import pallas_tpu as palimpsa_pallas_tpu
+from palimpsa_jax.kernels import chunking, validation
+from palimpsa_jax.kernels.gated_deltanet.chunk import gated_delta_chunked
+from palimpsa_jax.kernels.gated_deltanet.naive import gated_delta_reference
+from palimpsa_jax.kernels.gla.chunk import gla_chunked
+from palimpsa_jax.kernels.gla.naive import gla_reference
+from palimpsa_jax.kernels.outputs import AttentionOutput, Posterior
+from palimpsa_jax.kernels.palimpsa.chunk import palimpsa_chunked
+from palimpsa_jax.kernels.palimpsa.naive import palimpsa_reference
+from palimpsa_jax.kernels.palimpsa.pallas_gpu import palimpsa_pallas_gpu
+from palimpsa_jax.kernels.palimpsa.pallas_tpu import palimpsa_pallas_tpu
 
 PALIMPSA_BACKENDS = {
-    "reference": palimpsa_naive.palimpsa,
-    "xla": palimpsa_chunk.palimpsa,
-    "pallas_gpu": palimpsa_pallas_gpu.palimpsa,
-    "pallas_tpu": palimpsa_pallas_tpu.palimpsa,
+    "reference": palimpsa_reference,
+    "xla": palimpsa_chunked,
+    "pallas_gpu": palimpsa_pallas_gpu,
+    "pallas_tpu": palimpsa_pallas_tpu,
 }
 GLA_BACKENDS = {
-    "reference": gla_naive.gla,
-    "xla": gla_chunk.gla,
+    "reference": gla_reference,
+    "xla": gla_chunked,
 }
 GATED_DELTA_BACKENDS = {
-    "reference": gated_delta_naive.gated_delta,
-    "xla": gated_delta_chunk.gated_delta,
+    "reference": gated_delta_reference,
+    "xla": gated_delta_chunked,
 }
+PRIOR_LAYOUTS = ("(H,)", "(H, Dv)", "(H, Dv, Dk)")
 
 
-def _resolve(backend: str, registry: dict, **options):
+def resolve_backend(backend: str, registry: dict, **options):
     """Returns the backend function and the options given (not None), which it must accept.
 
     "auto" is the fastest backend of the current platform: pallas_gpu on GPUs, pallas_tpu on
@@ -55,49 +60,74 @@ def _resolve(backend: str, registry: dict, **options):
     return fn, options
 
 
+def full_prior(prior, heads: int, dv: int, dk: int):
+    """The checked prior precision as an (H, Dv, Dk) float32 array.
+
+    prior: (H,) one per head, (H, Dv) one per value row, or (H, Dv, Dk) one per synapse; > 0.
+    """
+    validation.check_floating("prior", prior)
+    shapes = ((heads,), (heads, dv), (heads, dv, dk))
+    if tuple(jnp.shape(prior)) not in shapes:
+        raise ValueError(f"prior must have shape (H,) = {shapes[0]}, (H, Dv) = {shapes[1]} or "
+                         f"(H, Dv, Dk) = {shapes[2]}, got {tuple(jnp.shape(prior))}")
+    validation.check_values("prior", prior, lambda p: p > 0, "> 0 everywhere")
+    prior = jnp.asarray(prior, jnp.float32)
+    prior = prior.reshape(prior.shape + (1,) * (3 - prior.ndim))
+    return jnp.broadcast_to(prior, (heads, dv, dk))
+
+
 def _initial_memory(initial_state, shape):
     """The checked float32 initial state S_0 (B, H, Dv, Dk) of a single-matrix memory; 0 if None."""
     if initial_state is None:
         return jnp.zeros(shape, jnp.float32)
     validation.check_floating("initial_state", initial_state)
     validation.check_shape("initial_state", initial_state, shape, "(B, H, Dv, Dk)")
+    validation.check_values("initial_state", initial_state)
     return jnp.asarray(initial_state, jnp.float32)
+
+
+def _result(o, v, final_state, variance, return_final_state: bool, return_variance: bool):
+    """o alone when no extra was asked for, else an AttentionOutput."""
+    o = o.astype(v.dtype)
+    if not (return_final_state or return_variance):
+        return o
+    return AttentionOutput(o, final_state if return_final_state else None,
+                           variance if return_variance else None)
 
 
 def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_state=None,
                        segment_ids=None, return_final_state=False, return_variance=False,
                        backend="auto", chunk_size=None, interpret=None):
-    """Metaplastic attention: o_t = scale (M_t / (Ibar_t + prior)) q_t (SPEC section 1).
+    """Metaplastic attention: o_t = scale (M_t / (Ibar_t + prior)) q_t (arXiv 2602.09075).
 
     Args:
-      q, k: (B, T, H, Dk); v, beta: (B, T, H, Dv) with q's dtype; log_alpha: (B, T, H) <= 0;
-      prior: (H,) > 0.
+      q, k: (B, T, H, Dk); v, beta: (B, T, H, Dv) with q's dtype; log_alpha: (B, T, H) <= 0
+        (-inf allowed: alpha = 0, a full reset).
+      prior: the prior precision I_prior > 0, (H,), (H, Dv) or (H, Dv, Dk).
       scale: read-out scale, default Dk ** -0.5.
       initial_state: optional (mu, I), each (B, H, Dv, Dk); default mu = 0, I = prior.
       segment_ids: optional (B, T) integers; the state resets at every change of id.
-      return_final_state: also return the final (mu, I), float32.
+      return_final_state: also return the final `Posterior` (mu, I), float32.
       return_variance: also return the predictive variance (B, T, H, Dv), float32.
       backend: "reference", "xla", "pallas_gpu", "pallas_tpu" or "auto" (pallas_gpu on GPUs,
         pallas_tpu on TPUs, else xla).
       chunk_size: tokens per chunk for the chunked backends (backend default if None).
       interpret: Pallas backends only; True runs the kernel in Pallas interpret mode (any platform).
     Returns:
-      o (B, T, H, Dv) in v's dtype, or the tuple (o, final_state, variance) holding only the
-      requested extras in that order.
+      o (B, T, H, Dv) in v's dtype if no extra is asked for, else an `AttentionOutput`
+      (o, final_state, variance) with None for what was not asked for.
     """
     batch, length, heads, dk, dv = validation.check_qkv(q, k, v, log_alpha)
     validation.check_shape("beta", beta, (batch, length, heads, dv), "(B, T, H, Dv)")
     validation.check_same_dtype("q", q, beta=beta)
     validation.check_values("beta", beta, lambda b: b >= 0, ">= 0 everywhere")
-    validation.check_shape("prior", prior, (heads,), "(H,)")
-    validation.check_floating("prior", prior)
-    validation.check_values("prior", prior, lambda p: p > 0, "> 0 for every head")
+    prior = full_prior(prior, heads, dv, dk)
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = _resolve(backend, PALIMPSA_BACKENDS, chunk_size=chunk_size, interpret=interpret)
+    fn, options = resolve_backend(backend, PALIMPSA_BACKENDS, chunk_size=chunk_size,
+                                  interpret=interpret)
 
     scale = dk**-0.5 if scale is None else float(scale)
-    prior = jnp.asarray(prior, jnp.float32)
     state_shape = (batch, heads, dv, dk)
     if initial_state is None:
         M0 = Ibar0 = jnp.zeros(state_shape, jnp.float32)
@@ -105,19 +135,14 @@ def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_s
         validation.check_state("initial_state", initial_state, state_shape, ("mu", "I"))
         mu0, I0 = (jnp.asarray(x, jnp.float32) for x in initial_state)
         validation.check_values("initial_state[I]", I0, lambda i: i > 0, "> 0 everywhere")
-        M0, Ibar0 = mu0 * I0, I0 - prior[:, None, None]
+        M0, Ibar0 = mu0 * I0, I0 - prior
 
-    o, variance, M, Ibar = fn(q, k, v, beta, jnp.asarray(log_alpha, jnp.float32), prior, M0, Ibar0,
-                              chunking.segment_resets(segment_ids, batch, length),
-                              scale=scale, return_variance=return_variance, **options)
-    o = o.astype(v.dtype)
-    extras = []
-    if return_final_state:
-        importance = Ibar + prior[:, None, None]
-        extras.append((M / importance, importance))
-    if return_variance:
-        extras.append(variance)
-    return (o, *extras) if extras else o
+    reset, log_alpha = chunking.resets(segment_ids, log_alpha)
+    o, variance, M, Ibar = fn(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
+                              return_variance=return_variance, **options)
+    importance = Ibar + prior
+    return _result(o, v, Posterior(M / importance, importance), variance, return_final_state,
+                   return_variance)
 
 
 def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment_ids=None,
@@ -129,20 +154,19 @@ def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment
       initial_state: optional S_0 (B, H, Dv, Dk), default 0. Other arguments as
       `palimpsa_attention`.
     Returns:
-      o (B, T, H, Dv) in v's dtype, or (o, S_T) with S_T float32 if return_final_state.
+      o (B, T, H, Dv) in v's dtype, or with return_final_state an `AttentionOutput` whose
+      final_state is S_T (B, H, Dv, Dk) float32 (variance None).
     """
     batch, length, heads, dk, dv = validation.check_qkv(q, k, v, log_alpha)
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = _resolve(backend, GLA_BACKENDS, chunk_size=chunk_size)
+    fn, options = resolve_backend(backend, GLA_BACKENDS, chunk_size=chunk_size)
 
     scale = dk**-0.5 if scale is None else float(scale)
     S0 = _initial_memory(initial_state, (batch, heads, dv, dk))
-
-    o, S = fn(q, k, v, jnp.asarray(log_alpha, jnp.float32), S0,
-              chunking.segment_resets(segment_ids, batch, length), scale=scale, **options)
-    o = o.astype(v.dtype)
-    return (o, S) if return_final_state else o
+    reset, log_alpha = chunking.resets(segment_ids, log_alpha)
+    o, S = fn(q, k, v, log_alpha, S0, reset, scale=scale, **options)
+    return _result(o, v, S, None, return_final_state, False)
 
 
 def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state=None,
@@ -161,7 +185,8 @@ def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state
       chunk_size: tokens per chunk for the chunked backend (default 64). Other arguments as
       `palimpsa_attention`.
     Returns:
-      o (B, T, H, Dv) in v's dtype, or (o, S_T) with S_T float32 if return_final_state.
+      o (B, T, H, Dv) in v's dtype, or with return_final_state an `AttentionOutput` whose
+      final_state is S_T (B, H, Dv, Dk) float32 (variance None).
     """
     batch, length, heads, dk, dv = validation.check_qkv(q, k, v, log_alpha)
     validation.check_shape("beta", beta, (batch, length, heads), "(B, T, H)")
@@ -169,12 +194,11 @@ def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state
     validation.check_values("beta", beta, lambda b: b >= 0, ">= 0 everywhere")
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = _resolve(backend, GATED_DELTA_BACKENDS, chunk_size=chunk_size)
+    fn, options = resolve_backend(backend, GATED_DELTA_BACKENDS, chunk_size=chunk_size)
 
     scale = dk**-0.5 if scale is None else float(scale)
     S0 = _initial_memory(initial_state, (batch, heads, dv, dk))
-
-    o, S = fn(q, k, v, jnp.asarray(beta, jnp.float32), jnp.asarray(log_alpha, jnp.float32), S0,
-              chunking.segment_resets(segment_ids, batch, length), scale=scale, **options)
-    o = o.astype(v.dtype)
-    return (o, S) if return_final_state else o
+    reset, log_alpha = chunking.resets(segment_ids, log_alpha)
+    o, S = fn(q, k, v, jnp.asarray(beta, jnp.float32), log_alpha, S0, reset, scale=scale,
+              **options)
+    return _result(o, v, S, None, return_final_state, False)

@@ -6,10 +6,18 @@ cumulative log-decay g_t = sum_{r<=t} log_alpha_r, the state after token t is
 
     S_t = [no reset in 0..t] exp(g_t) S_in + sum_{s<=t, same segment} exp(g_t - g_s) x_s,
 
-where x_s is the token's rank-one contribution and a reset at token s (a new segment id) discards
-everything before s.
+where x_s is the token's rank-one contribution and a reset at token s (a new segment id, or
+alpha_s = 0) discards everything before s.
+
+Causality whatever the values: inside a chunk the weights of later tokens are exact zeros, but a
+zero weight times a NaN or inf is NaN, so `finite_inputs` replaces non-finite inputs by 0 before
+the matrix multiplies and returns where they would have entered the state; the backends then
+set those outputs (and the outgoing state) to NaN, from the bad token on. An output at token t
+is bit-identical whatever the inputs after t.
 """
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -28,15 +36,63 @@ def from_chunks(x, length: int):
 
 
 def split_chunks(arrays, reset, chunk_size: int):
-    """Pads (B, T, H, ...) arrays and the (B, T) reset mask to whole chunks and splits them.
+    """Pads (B, T, H, ...) arrays and the (B, T, H) reset mask to whole chunks and splits them.
 
-    Returns the arrays as (N, B, H, C, ...) and the reset mask as (N, B, 1, C).
+    Returns the arrays as (N, B, H, C, ...) and the reset mask as (N, B, H, C).
     """
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     padded = round_up(reset.shape[1], chunk_size)  # zero tokens leave a linear state unchanged
     split = lambda x: to_chunks(pad_axis(x, 1, padded), chunk_size)
-    return tuple(split(x) for x in arrays), split(reset[:, :, None])
+    return tuple(split(x) for x in arrays), split(reset)
+
+
+def resets(segment_ids, log_alpha):
+    """The reset mask and the gates the backends see.
+
+    Args:
+      segment_ids: (B, T) integers or None; log_alpha: (B, T, H) floating.
+    Returns:
+      reset (B, T, H) bool, True where the state is discarded before the token: a change of
+      segment id, or alpha = exp(log_alpha) = 0 in float32 (log_alpha = -inf, say);
+      log_alpha (B, T, H) float32 with 0 at the resets (so it is finite, and cumulative sums
+      stay finite, unless the input holds NaN).
+    """
+    log_alpha = jnp.asarray(log_alpha, jnp.float32)
+    batch, length = log_alpha.shape[:2]
+    reset = segment_resets(segment_ids, batch, length)[..., None] | (jnp.exp(log_alpha) == 0)
+    return reset, jnp.where(reset, 0.0, log_alpha)
+
+
+def finite_inputs(row_inputs, token_inputs):
+    """Non-finite inputs of a chunk replaced by 0, and where they would have entered the state.
+
+    Args:
+      row_inputs: arrays (..., C, Dv) whose element v at token s enters row v of the state (v,
+        beta of Palimpsa); token_inputs: arrays (..., C, D) or (..., C) whose token s enters
+        every row (k, log_alpha, a scalar beta).
+    Returns:
+      the row inputs and the token inputs with NaN and inf replaced by 0, and poisoned
+      (..., C, Dv) bool: True at (t, v) if a non-finite value entered row v at a token s <= t.
+    """
+    def clean(x):
+        finite = jnp.isfinite(x)
+        return jnp.where(finite, x, jnp.zeros((), x.dtype)), ~finite
+
+    rows = [clean(x) for x in row_inputs]
+    tokens = [clean(x) for x in token_inputs]
+    bad = functools.reduce(jnp.logical_or, [b for _, b in rows])
+    for _, b in tokens:
+        bad = bad | (jnp.any(b, axis=-1, keepdims=True) if b.ndim == bad.ndim else b[..., None])
+    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=-2) > 0
+    return [x for x, _ in rows], [x for x, _ in tokens], poisoned
+
+
+def poison(x, poisoned):
+    """x (..., Dv) or (..., Dv, Dk) with NaN where poisoned (..., Dv) (a select, not a product)."""
+    if x.ndim == poisoned.ndim + 1:
+        poisoned = poisoned[..., None]
+    return jnp.where(poisoned, jnp.nan, x)
 
 
 def segment_resets(segment_ids, batch: int, length: int):

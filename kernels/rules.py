@@ -1,4 +1,4 @@
-"""The unified framework as code: sequential reference update rules of SPEC section 2.
+"""The unified framework as code: sequential reference update rules (README "The unified view").
 
 Every rule keeps the memory S (Dv, Dk) of one head, updates it once per token and reads out
 o_t = scale * S_t @ q_t; Mesa and Palimpsa keep a Gaussian posterior and read out its mean mu.
@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
 
+from palimpsa_jax.kernels.outputs import Posterior
+
 Array = jax.Array
 
 
@@ -38,14 +40,6 @@ class Observation(NamedTuple):
     beta: Array
     log_alpha: Array
     prior: Array
-
-
-class Posterior(NamedTuple):
-    """Gaussian posterior over S: mean mu (Dv, Dk) and precision `importance`, which is the
-    diagonal importance I (Dv, Dk) for Palimpsa and the full precision P (Dk, Dk), shared by all
-    rows of S, for Mesa."""
-    mu: Array
-    importance: Array
 
 
 State = Array | Posterior

@@ -1,17 +1,18 @@
 """Argument checks shared by every kernel entry point.
 
-Shapes and dtypes are checked always; value constraints (prior > 0, log_alpha <= 0, beta >= 0)
-are checked whenever the value is concrete (eager calls). Under `jax.jit` values are abstract and
-those checks are skipped: validate once eagerly, or trust the layer that produced the gates.
+Shapes and dtypes are checked always. Values are checked whenever they are concrete (eager
+calls): every floating input must be finite ("contains NaN or inf"; `log_alpha` may be -inf,
+a full reset), then the constraints (prior > 0, log_alpha <= 0, beta >= 0). Each value check is
+one reduction on the device and one boolean back to the host. Under `jax.jit` values are
+abstract and only shapes and dtypes are checked.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
-def _is_concrete(x) -> bool:
+def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
@@ -33,16 +34,22 @@ def check_same_dtype(reference_name: str, reference, **others) -> None:
                 f"{jnp.result_type(reference)}: they must match")
 
 
-def check_values(name: str, x, predicate, requirement: str) -> None:
-    """Raises if a concrete `x` violates `predicate` (a NumPy boolean function)."""
-    if _is_concrete(x):
-        values = np.asarray(jax.device_get(x), dtype=np.float64)
-        if values.size and not bool(np.all(predicate(values))):
-            raise ValueError(f"{name} must be {requirement}")
+def check_values(name: str, x, predicate=None, requirement: str = "",
+                 allow_negative_infinity: bool = False) -> None:
+    """Raises if a concrete `x` holds NaN or inf (-inf allowed if asked), or violates
+    `predicate` (a jnp boolean function) somewhere."""
+    if not is_concrete(x) or jnp.size(x) == 0:
+        return
+    x = jnp.asarray(x)
+    finite = jnp.isfinite(x) | ((x == -jnp.inf) if allow_negative_infinity else False)
+    if not bool(jnp.all(finite)):
+        raise ValueError(f"{name} contains NaN or {'+inf' if allow_negative_infinity else 'inf'}")
+    if predicate is not None and not bool(jnp.all(predicate(x))):
+        raise ValueError(f"{name} must be {requirement}")
 
 
 def check_qkv(q, k, v, log_alpha) -> tuple[int, int, int, int, int]:
-    """Checks the shared shape conventions; returns (B, T, H, Dk, Dv)."""
+    """Checks the shared shape conventions and values; returns (B, T, H, Dk, Dv)."""
     if jnp.ndim(q) != 4:
         raise ValueError(f"q must have shape (B, T, H, Dk), got {tuple(jnp.shape(q))}")
     batch, length, heads, dk = jnp.shape(q)
@@ -57,7 +64,10 @@ def check_qkv(q, k, v, log_alpha) -> tuple[int, int, int, int, int]:
     check_same_dtype("q", q, k=k, v=v)
     check_shape("log_alpha", log_alpha, (batch, length, heads), "(B, T, H)")
     check_floating("log_alpha", log_alpha)
-    check_values("log_alpha", log_alpha, lambda a: a <= 0, "<= 0 everywhere (alpha = exp(log_alpha) <= 1)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_values(name, x)
+    check_values("log_alpha", log_alpha, lambda a: a <= 0,
+                 "<= 0 everywhere (alpha = exp(log_alpha) <= 1)", allow_negative_infinity=True)
     return batch, length, heads, dk, dv
 
 
@@ -75,9 +85,10 @@ def check_scale(scale) -> None:
 
 
 def check_state(name: str, state, shape: tuple[int, ...], parts: tuple[str, ...]) -> None:
-    """`state` must be a tuple of len(parts) floating arrays, each of `shape`."""
+    """`state` must be a tuple of len(parts) finite floating arrays, each of `shape`."""
     if not isinstance(state, (tuple, list)) or len(state) != len(parts):
         raise ValueError(f"{name} must be a tuple ({', '.join(parts)}), got {type(state).__name__}")
     for part, x in zip(parts, state):
         check_floating(f"{name}[{part}]", x)
         check_shape(f"{name}[{part}]", x, shape, "(B, H, Dv, Dk)")
+        check_values(f"{name}[{part}]", x)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -68,18 +68,19 @@ def _axis_names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
-def axis_size(mesh: jax.sharding.Mesh, axes: str | tuple[str, ...] | None) -> int:
-    """Devices along the mesh axes of one PartitionSpec entry (1 for None)."""
-    return math.prod(mesh.shape[a] for a in _axis_names(axes))
+def axis_size(mesh_shape: Mapping[str, int], axes: str | tuple[str, ...] | None) -> int:
+    """Devices along the mesh axes of one PartitionSpec entry (1 for None); mesh_shape is
+    `mesh.shape` or any axis -> size mapping."""
+    return math.prod(mesh_shape[a] for a in _axis_names(axes))
 
 
-def check_rules(rules: Rules, mesh: jax.sharding.Mesh) -> None:
+def check_rules(rules: Rules, axis_names: Sequence[str]) -> None:
     """Every rule maps a logical name to None, a mesh axis or a tuple of mesh axes."""
     for name, axes in rules:
         for axis in _axis_names(axes):
-            if axis not in mesh.axis_names:
+            if axis not in axis_names:
                 raise ValueError(f"sharding.rules: {name!r} maps to {axis!r}, which is not a mesh "
-                                 f"axis ({mesh.axis_names})")
+                                 f"axis ({tuple(axis_names)})")
 
 
 def logical_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
@@ -99,7 +100,7 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules: Rules) -> 
     def sharding(path, names, value):
         spec = logical_spec(tuple(names), rules)
         for dim, axes in zip(value.shape, spec):
-            size = axis_size(mesh, axes)
+            size = axis_size(mesh.shape, axes)
             if dim % size:
                 raise ValueError(f"parameter {jax.tree_util.keystr(path)} of shape {value.shape}: "
                                  f"dimension {dim} is not divisible by mesh axes {axes} ({size} "
@@ -116,7 +117,7 @@ _ACTIVE: list[tuple[jax.sharding.Mesh, Rules]] = []
 def use_mesh(mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES):
     """Within this context models trace with `mesh` and `rules`: the kernels run per shard
     (`per_shard`) and flax's logical axis rules are set."""
-    check_rules(rules, mesh)
+    check_rules(rules, mesh.axis_names)
     _ACTIVE.append((mesh, tuple(rules)))
     try:
         with jax.set_mesh(mesh), spmd.logical_axis_rules(tuple(rules)):

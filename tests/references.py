@@ -1,5 +1,6 @@
-"""Independent float64 implementations of the recurrences (SPEC sections 1 and 2), written from
-the equations: Palimpsa in the (mu, I) form, GLA and Gated DeltaNet.
+"""Independent float64 implementations of the recurrences (README "The kernel API" and "The
+unified view"; arXiv 2602.09075), written from the equations: Palimpsa in the (mu, I) form, GLA
+and Gated DeltaNet.
 
 `*_numpy` are plain NumPy loops (for values); `*_jax64` are the same equations in float64 JAX
 (for autodiff). Segment ids reset the state to its default.
@@ -9,12 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def full_prior(prior, H, Dv, Dk, xp=np):
+    """A prior of shape (H,), (H, Dv) or (H, Dv, Dk) as an (H, Dv, Dk) array."""
+    prior = xp.asarray(prior)
+    return xp.broadcast_to(prior.reshape(prior.shape + (1,) * (3 - prior.ndim)), (H, Dv, Dk))
+
+
 def palimpsa_numpy(q, k, v, beta, log_alpha, prior, scale, initial_state=None, segment_ids=None):
-    """Returns o (B, T, H, Dv), (mu, I) each (B, H, Dv, Dk), variance (B, T, H, Dv); float64."""
+    """Returns o (B, T, H, Dv), (mu, I) each (B, H, Dv, Dk), variance (B, T, H, Dv); float64.
+    prior: (H,), (H, Dv) or (H, Dv, Dk)."""
     q, k, v, beta, log_alpha, prior = (np.asarray(x, np.float64) for x in (q, k, v, beta, log_alpha, prior))
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    default_I = np.broadcast_to(prior[None, :, None, None], (B, H, Dv, Dk))
+    prior = full_prior(prior, H, Dv, Dk)
+    default_I = np.broadcast_to(prior[None], (B, H, Dv, Dk))
     if initial_state is None:
         mu, I = np.zeros((B, H, Dv, Dk)), default_I.copy()
     else:
@@ -52,11 +61,12 @@ def gla_numpy(q, k, v, log_alpha, scale, initial_state=None, segment_ids=None):
 
 
 def palimpsa_jax64(q, k, v, beta, log_alpha, prior, mu0, I0, scale, segment_ids=None):
-    """Float64 (mu, I) recurrence as a lax.scan, for autodiff. Returns o, (mu, I), variance."""
-    B, T = q.shape[:2]
+    """Float64 (mu, I) recurrence as a lax.scan, for autodiff (prior of any of the three
+    shapes). Returns o, (mu, I), variance."""
+    B, T, H, Dk = q.shape
     keep = (jnp.ones((B, T)) if segment_ids is None else
             jnp.concatenate([jnp.ones((B, 1)), (segment_ids[:, 1:] == segment_ids[:, :-1])], 1))
-    prior = prior[:, None, None]
+    prior = full_prior(prior, H, v.shape[-1], Dk, xp=jnp)
 
     def step(state, x):
         mu, I = state

@@ -18,11 +18,11 @@ from palimpsa_jax.data import (
     Documents,
     MQARSource,
     PackedRows,
-    generate,
     load_tokens,
     make_dataset,
     mqar,
     mqar_eval_slices,
+    mqar_example,
     pack,
     write_corpus,
 )
@@ -107,7 +107,7 @@ def test_single_query_gap_follows_the_power_law():
     n, seq_len, a = 4000, 128, 0.01
     space = (seq_len - 2) // 2
     rng = np.random.default_rng(0)
-    gaps = np.array([query_gaps(generate(rng, vocab_size=16, seq_len=seq_len, num_pairs=1, power_a=a), 1)[0]
+    gaps = np.array([query_gaps(mqar_example(rng, vocab_size=16, seq_len=seq_len, num_pairs=1, power_a=a), 1)[0]
                      for _ in range(n)])
     p = gap_distribution(space, a)
     g = np.arange(1, space + 1)
@@ -129,7 +129,7 @@ def test_query_gaps_are_successive_power_law_draws():
     n, seq_len, P, a = 3000, 64, 8, 0.01
     space = (seq_len - 2 * P) // 2
     rng = np.random.default_rng(1)
-    ours = np.log([query_gaps(generate(rng, vocab_size=64, seq_len=seq_len, num_pairs=P, power_a=a), P)
+    ours = np.log([query_gaps(mqar_example(rng, vocab_size=64, seq_len=seq_len, num_pairs=P, power_a=a), P)
                    for _ in range(n)])
     p = gap_distribution(space, a)
     zoology = np.log([1 + rng.choice(space, P, replace=False, p=p) for _ in range(n)])
@@ -158,11 +158,11 @@ def test_train_and_test_are_disjoint_by_construction():
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
-def test_source_example_is_generate_at_the_first_accepted_attempt(split):
+def test_source_example_is_mqar_example_at_the_first_accepted_attempt(split):
     source = MQARSource(split, 20, 64, 32, 4, seed=11)
     for i in range(20):
         for attempt in itertools.count():
-            example = generate(np.random.default_rng([11, source.split_id, i, attempt]),
+            example = mqar_example(np.random.default_rng([11, source.split_id, i, attempt]),
                                vocab_size=64, seq_len=32, num_pairs=4)
             if split_of(example["tokens"][:8]) == source.split_id:
                 break
@@ -182,10 +182,10 @@ def test_a_split_without_examples_raises(monkeypatch):
     (dict(vocab_size=True), "vocab_size"), (dict(seq_len=15), "seq_len"),
     (dict(power_a=0.0), "power_a"), (dict(power_a=-1.0), "power_a"), (dict(power_a=float("nan")), "power_a"),
 ])
-def test_generate_argument_errors(kwargs, name):
+def test_mqar_example_argument_errors(kwargs, name):
     settings = {**dict(vocab_size=64, seq_len=16, num_pairs=4, power_a=0.01), **kwargs}
     with pytest.raises(ValueError, match=f"^{name}"):
-        generate(np.random.default_rng(0), **settings)
+        mqar_example(np.random.default_rng(0), **settings)
     with pytest.raises(ValueError, match=f"^{name}"):
         MQARSource("train", 10, seed=0, **settings)
 

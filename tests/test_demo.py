@@ -1,7 +1,7 @@
 """The Quickstart's demo (`palimpsa-demo`) runs on this platform and its backends agree."""
 import re
 
-from palimpsa_jax import demo
+from palimpsa_jax.commands import demo
 
 
 def test_demo_runs_and_backends_agree(capsys):

@@ -1,4 +1,6 @@
 """kernels.gated_delta_attention: every backend against independent float64 references."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import rules
+import backends
+from palimpsa_jax import kernels
+from palimpsa_jax.kernels import rules
 from references import gated_delta_jax64, gated_delta_numpy, relative_error
 
 BACKENDS = sorted(kernels.GATED_DELTA_BACKENDS)
@@ -30,23 +33,21 @@ def random_inputs(seed, B, T, H, Dk, Dv, dtype=np.float32):
     return q, k, v, beta, log_alpha, segment_ids
 
 
-def call(backend, *args, chunk_size=None, **kwargs):
-    options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
-    return kernels.gated_delta_attention(*args, backend=backend, **options, **kwargs)
+call = functools.partial(backends.call, kernels.gated_delta_attention)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=16)
-@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16),
-       with_state=st.booleans(), with_segments=st.booleans(),
-       dtype=st.sampled_from([np.float32, jnp.bfloat16]))
-def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, with_segments, dtype):
+VALUES = dict(shape=shapes, chunk_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16),
+              with_state=st.booleans(), with_segments=st.booleans(),
+              dtype=st.sampled_from([np.float32, jnp.bfloat16]))
+
+
+def check_values(backend, x64, shape, chunk_size, seed, with_state, with_segments, dtype):
     B, T, H, Dk, Dv = shape
     q, k, v, beta, log_alpha, segment_ids = random_inputs(seed, B, T, H, Dk, Dv, dtype)
     S0 = np.random.default_rng(seed).normal(size=(B, H, Dv, Dk)).astype(np.float32) if with_state else None
     segment_ids = segment_ids if with_segments else None
-    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=chunk_size, initial_state=S0,
-                segment_ids=segment_ids, return_final_state=True)
+    o, S, _ = call(backend, q, k, v, beta, log_alpha, chunk_size=chunk_size, initial_state=S0,
+                   segment_ids=segment_ids, return_final_state=True, x64=x64)
     o_ref, S_ref = gated_delta_numpy(q, k, v, beta, log_alpha, Dk**-0.5, S0, segment_ids)
     assert o.dtype == v.dtype and S.dtype == jnp.float32
     assert relative_error(o, o_ref) < (1e-5 if dtype == np.float32 else 8e-3)
@@ -54,10 +55,24 @@ def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, wit
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=6)
-@given(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
-       with_segments=st.booleans())
-def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
+@settings(max_examples=8)
+@given(**VALUES)
+def test_matches_float64_numpy(backend, **case):
+    check_values(backend, True, **case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=3)
+@given(**VALUES)
+def test_matches_float64_numpy_without_x64(backend, **case):
+    check_values(backend, False, **case)
+
+
+GRADIENTS = dict(shape=shapes, chunk_size=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+                 with_segments=st.booleans())
+
+
+def check_gradients(backend, x64, shape, chunk_size, seed, with_segments):
     B, T, H, Dk, Dv = shape
     q, k, v, beta, log_alpha, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
     segment_ids = segment_ids if with_segments else None
@@ -67,13 +82,15 @@ def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with
 
     def grad(kernel):
         def loss(*args):
-            o, S = kernel(*args)
+            o, S = kernel(*args)[:2]
             return jnp.sum(w_o * o) + jnp.sum(w_S * S)
         return jax.grad(loss, argnums=tuple(range(6)))
 
     args = (q, k, v, beta, log_alpha, S0)
-    grads = grad(lambda *a: call(backend, *a[:5], chunk_size=chunk_size, initial_state=a[5],
-                                 segment_ids=segment_ids, return_final_state=True))(*args)
+    with backends.x64_mode(x64):
+        grads = jax.jit(grad(lambda *a: call(
+            backend, *a[:5], chunk_size=chunk_size, initial_state=a[5], segment_ids=segment_ids,
+            return_final_state=True, jit=False)))(*args)
     with jax.enable_x64(True):
         grads_ref = grad(lambda *a: gated_delta_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
             *(jnp.asarray(x, jnp.float64) for x in args))
@@ -83,13 +100,27 @@ def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=4)
+@given(**GRADIENTS)
+def test_gradients_match_float64_autodiff(backend, **case):
+    check_gradients(backend, True, **case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=2)
+@given(**GRADIENTS)
+def test_gradients_match_float64_autodiff_without_x64(backend, **case):
+    check_gradients(backend, False, **case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_halves_equal_whole(backend):
     q, k, v, beta, log_alpha, _ = random_inputs(1, 2, 50, 2, 4, 3)
     halves = lambda x: (x[:, :21], x[:, 21:])
-    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=16, return_final_state=True)
+    o, S, _ = call(backend, q, k, v, beta, log_alpha, chunk_size=16, return_final_state=True)
     first, second = zip(*map(halves, (q, k, v, beta, log_alpha)))
-    o1, S1 = call(backend, *first, chunk_size=16, return_final_state=True)
-    o2, S2 = call(backend, *second, chunk_size=16, initial_state=S1, return_final_state=True)
+    o1, S1, _ = call(backend, *first, chunk_size=16, return_final_state=True)
+    o2, S2, _ = call(backend, *second, chunk_size=16, initial_state=S1, return_final_state=True)
     np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(S2, S, rtol=2e-5, atol=2e-6)
 
@@ -112,7 +143,7 @@ def test_no_forgetting_is_deltanet(backend):
     q, k, v, beta, _, _ = random_inputs(2, 2, 37, 2, 5, 3)
     S0 = np.random.default_rng(2).normal(size=(2, 2, 3, 5)).astype(np.float32)
     log_alpha = np.zeros(beta.shape, np.float32)
-    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=16, initial_state=S0,
+    o, S, _ = call(backend, q, k, v, beta, log_alpha, chunk_size=16, initial_state=S0,
                 return_final_state=True)
     o_ref, S_ref = run_rule(rules.DELTANET, q, k, v, beta, log_alpha, S0)
     assert relative_error(o, o_ref) < 1e-5 and relative_error(S, S_ref) < 1e-5
@@ -122,7 +153,7 @@ def test_no_forgetting_is_deltanet(backend):
 def test_matches_unified_gated_deltanet_rule(backend):
     q, k, v, beta, log_alpha, _ = random_inputs(3, 1, 45, 1, 6, 4)
     S0 = np.random.default_rng(3).normal(size=(1, 1, 4, 6)).astype(np.float32)
-    o, S = call(backend, q, k, v, beta, log_alpha, chunk_size=8, initial_state=S0,
+    o, S, _ = call(backend, q, k, v, beta, log_alpha, chunk_size=8, initial_state=S0,
                 return_final_state=True)
     o_ref, S_ref = run_rule(rules.GATED_DELTANET, q, k, v, beta, log_alpha, S0)
     assert relative_error(o, o_ref) < 1e-5 and relative_error(S, S_ref) < 1e-5

@@ -1,4 +1,4 @@
-"""Mixers against slow sequential float64 implementations written from the SPEC equations (one
+"""Mixers against slow sequential float64 implementations written from the paper's equations (one
 token and one head at a time), and their cache, packing and precision properties."""
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import kernels
+from palimpsa_jax import kernels
 from palimpsa_jax.layers import (
     Attention,
     GatedDeltaNet,
@@ -17,6 +17,7 @@ from palimpsa_jax.layers import (
     PalimpsaM,
     ShortConv,
 )
+from references import full_prior
 
 D_MODEL, HEADS, HEAD_DIM, EXPAND_V = 16, 2, 4, 2
 KERNEL = {"backend": "xla", "chunk_size": 4}   # chunk boundaries inside the test sequences
@@ -25,6 +26,12 @@ FACTORIES = {
                                          learn_prior=True, **KERNEL, **kw),
     "palimpsa_d_off": lambda **kw: PalimpsaD(D_MODEL, HEADS, HEAD_DIM, expand_v=EXPAND_V,
                                              metaplasticity=False, **KERNEL, **kw),
+    "palimpsa_d_rows": lambda **kw: PalimpsaD(D_MODEL, HEADS, HEAD_DIM, expand_v=EXPAND_V,
+                                              beta_rank=3, learn_prior=True, prior_family="row",
+                                              **KERNEL, **kw),
+    "palimpsa_m_synapses": lambda **kw: PalimpsaM(D_MODEL, d_state=4, n_groups=2, head_dim=8,
+                                                  beta_rank=3, learn_prior=True,
+                                                  prior_family="synapse", **KERNEL, **kw),
     "mamba2": lambda **kw: Mamba2(D_MODEL, d_state=4, n_groups=2, head_dim=8, **KERNEL, **kw),
     "palimpsa_m": lambda **kw: PalimpsaM(D_MODEL, d_state=4, n_groups=2, head_dim=8, beta_rank=3,
                                          **KERNEL, **kw),
@@ -35,8 +42,9 @@ FACTORIES = {
     "attention": lambda **kw: Attention(D_MODEL, HEADS, 2 * HEAD_DIM, **kw),
 }
 NAMES = sorted(FACTORIES)
-# palimpsa_m_off runs Mamba2's code path (tested equal to it below); the property tests skip it
-PROPERTY_NAMES = [name for name in NAMES if name != "palimpsa_m_off"]
+# palimpsa_m_off runs Mamba2's code path (tested equal to it below) and palimpsa_d_rows
+# palimpsa_d's with another prior shape: the property tests skip them
+PROPERTY_NAMES = [name for name in NAMES if name not in ("palimpsa_m_off", "palimpsa_d_rows")]
 
 
 @functools.cache
@@ -100,7 +108,7 @@ def dense(p, x):
 
 
 def palimpsa_step(mu, importance, q, k, v, beta, alpha, prior, scale):
-    """SPEC section 1 for one head and token: returns mu_t, I_t, o_t."""
+    """README "The kernel API" for one head and token: returns mu_t, I_t, o_t."""
     importance_t = alpha * importance + (1 - alpha) * prior + np.outer(beta, k**2)
     mu = alpha * importance / importance_t * mu + np.outer(v, k) / importance_t
     return mu, importance_t, scale * mu @ q
@@ -115,7 +123,7 @@ def unit(x):
 
 
 def delta_family_reference(p, x, rule, eps=1e-5):
-    """Palimpsa-D or Gated DeltaNet (SPEC sections 2, 3) on one sequence x (T, d_model)."""
+    """Palimpsa-D or Gated DeltaNet (README "Models") on one sequence x (T, d_model)."""
     T, H, Dk, Dv = len(x), HEADS, HEAD_DIM, EXPAND_V * HEAD_DIM
     q, k = unit(short_conv_heads(p, x, "q", H, Dk)), unit(short_conv_heads(p, x, "k", H, Dk))
     x_v = short_conv_heads(p, x, "v", H, Dv)
@@ -130,15 +138,14 @@ def delta_family_reference(p, x, rule, eps=1e-5):
                         + beta[t, h] * np.outer(x_v[t, h], k[t, h]))
                 o[t, h] = Dk**-0.5 * S[h] @ q[t, h]
     else:
-        memory = p["memory"]
         s = sigmoid(dense(p["W_s"], x))
-        prior = np.exp(memory["Ip_log"])
-        if "W_b1" in memory:
-            gate = sigmoid(dense(memory["W_b2"], dense(memory["W_b1"], x))).reshape(T, H, Dv)
-            beta = gate * softplus(memory["b_scale"])[:, None] * s[..., None]
+        prior = full_prior(np.exp(p["memory"]["prior"]["Ip_log"]), H, Dv, Dk)
+        if p.get("beta"):
+            gate = sigmoid(dense(p["beta"]["W_b2"], dense(p["beta"]["W_b1"], x))).reshape(T, H, Dv)
+            beta = gate * softplus(p["beta"]["b_scale"])[:, None] * s[..., None]
         else:  # no metaplasticity: I stays at the prior, mu = S / I_prior
             beta = np.zeros((T, H, Dv))
-        mu, importance = np.zeros((H, Dv, Dk)), np.ones((H, Dv, Dk)) * prior[:, None, None]
+        mu, importance = np.zeros((H, Dv, Dk)), prior.copy()
         for t in range(T):
             for h in range(H):
                 mu[h], importance[h], o[t, h] = palimpsa_step(
@@ -171,11 +178,10 @@ def mamba2_family_reference(p, x, metaplastic, eps=1e-5):
                 h_state[h] = alpha[t, h] * h_state[h] + dt[t, h] * np.outer(xs[t, h], B[t, g])
                 y[t, h] = h_state[h] @ C[t, g]
     else:
-        memory = p["memory"]
-        prior = np.exp(memory["Ip_log"])
-        beta = (sigmoid(dense(memory["W_b2"], dense(memory["W_b1"], x))).reshape(T, H, P)
-                * softplus(memory["b_scale"])[:, None] * dt[..., None]) if metaplastic else np.zeros((T, H, P))
-        mu, importance = np.zeros((H, P, N)), np.ones((H, P, N)) * prior[:, None, None]
+        prior = full_prior(np.exp(p["memory"]["prior"]["Ip_log"]), H, P, N)
+        beta = (sigmoid(dense(p["beta"]["W_b2"], dense(p["beta"]["W_b1"], x))).reshape(T, H, P)
+                * softplus(p["beta"]["b_scale"])[:, None] * dt[..., None]) if metaplastic else np.zeros((T, H, P))
+        mu, importance = np.zeros((H, P, N)), prior.copy()
         for t in range(T):
             for h in range(H):
                 g = h // (H // G)
@@ -215,6 +221,8 @@ def attention_reference(p, x, theta=10000.0):
 REFERENCES = {
     "palimpsa_d": lambda p, x: delta_family_reference(p, x, "palimpsa"),
     "palimpsa_d_off": lambda p, x: delta_family_reference(p, x, "palimpsa"),
+    "palimpsa_d_rows": lambda p, x: delta_family_reference(p, x, "palimpsa"),
+    "palimpsa_m_synapses": lambda p, x: mamba2_family_reference(p, x, True),
     "gated_deltanet": lambda p, x: delta_family_reference(p, x, "gated_deltanet"),
     "mamba2": lambda p, x: mamba2_family_reference(p, x, None),
     "palimpsa_m": lambda p, x: mamba2_family_reference(p, x, True),
@@ -271,7 +279,7 @@ def test_palimpsa_m_without_metaplasticity_is_mamba2():
     mamba2 = make("mamba2", seed=5)
     palimpsa_m = nnx.jit(lambda: FACTORIES["palimpsa_m_off"](rngs=nnx.Rngs(0)))()
     nnx.update(palimpsa_m, nnx.state(mamba2))   # every Mamba2 weight; the prior stays 1
-    assert float(palimpsa_m.memory.prior.max()) == float(palimpsa_m.memory.prior.min()) == 1.0
+    assert palimpsa_m.beta is None and np.all(palimpsa_m.memory.prior() == 1.0)
     x = inputs(6, 2, 9)
     assert relative_error(call(palimpsa_m, x)[0], call(mamba2, x)[0]) < 1e-6
     assert ({"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(palimpsa_m, nnx.Param))}
@@ -296,7 +304,7 @@ def test_palimpsa_d_without_metaplasticity_runs_on_the_gla_path(monkeypatch):
     mixer(x)
     mixer(x[:, :1], cache=mixer.init_cache(1, 1))
     assert calls == ["xla", "reference"]
-    assert not hasattr(mixer.memory, "W_b1")   # the baseline has no beta parameters
+    assert mixer.beta is None   # the baseline has no beta parameters
 
 
 @pytest.mark.parametrize("name", PROPERTY_NAMES)

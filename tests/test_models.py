@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from palimpsa_jax.layers import Attention, GatedDeltaNet, Mamba2, PalimpsaD, PalimpsaM
+from palimpsa_jax.layers.common import embedding_lookup
 from palimpsa_jax.models import (
     NOMINAL_SIZES,
     PRESETS,
@@ -161,3 +164,20 @@ def test_language_model_gradients_finite_in_bfloat16():
     value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
     assert np.isfinite(float(value))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@settings(max_examples=15)
+@given(vocab=st.integers(1, 40), shape=st.tuples(st.integers(1, 3), st.integers(1, 50)),
+       zeros=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_embedding_gradient_equals_the_scatter_add(vocab, shape, zeros, seed):
+    """The sort-and-segment-sum gradient of `embedding_lookup` is the gather's scatter-add
+    gradient (float64), with many repeated ids (a fraction `zeros` of token 0)."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(vocab, 5))
+    tokens = np.where(rng.uniform(size=shape) < zeros, 0, rng.integers(0, vocab, size=shape))
+    weights = rng.normal(size=(*shape, 5))
+    ours = jax.grad(lambda t: jnp.sum(embedding_lookup(t, tokens) * weights))(table)
+    expected = np.zeros_like(table)
+    np.add.at(expected, tokens.reshape(-1), weights.reshape(-1, 5))
+    np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(embedding_lookup(table, tokens), table[tokens])

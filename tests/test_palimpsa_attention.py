@@ -1,4 +1,6 @@
-"""kernels.palimpsa_attention: every backend against independent float64 references."""
+"""kernels.palimpsa_attention: every backend against independent float64 references, jitted,
+with JAX's 64-bit mode on and off."""
+import functools
 import re
 
 import jax
@@ -8,20 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from references import (gla_numpy, palimpsa_jax64, palimpsa_numpy, random_inputs,
-                        relative_error)
+import backends
+from palimpsa_jax import kernels
+from references import gla_numpy, palimpsa_jax64, palimpsa_numpy, random_inputs, relative_error
 
 BACKENDS = sorted(kernels.PALIMPSA_BACKENDS)
 CHUNKED = [b for b in BACKENDS if b != "reference"]
+call = functools.partial(backends.call, kernels.palimpsa_attention)
+PRIOR_FAMILIES = ("head", "row", "synapse")
 
 
-def call(backend, *args, chunk_size=None, **kwargs):
-    """Calls a backend; chunked ones get `chunk_size`, Pallas ones run in interpret mode on CPU."""
-    options = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
-    if backend.startswith("pallas") and jax.default_backend() == "cpu":
-        options["interpret"] = True
-    return kernels.palimpsa_attention(*args, backend=backend, **options, **kwargs)
+def prior_of_family(family, prior, Dv, Dk, seed):
+    """A positive prior of shape (H,), (H, Dv) or (H, Dv, Dk) around the per-head `prior`."""
+    extra = {"head": (), "row": (Dv,), "synapse": (Dv, Dk)}[family]
+    rng = np.random.default_rng(seed)
+    scale = rng.uniform(0.3, 3.0, size=(len(prior), *extra)).astype(np.float32)
+    return (prior.reshape(prior.shape + (1,) * len(extra)) * scale).astype(np.float32)
 
 
 def random_state(seed, B, H, Dv, Dk):
@@ -35,18 +39,21 @@ shapes = st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3), st.
                    st.integers(1, 6))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 8, 16]), seed=st.integers(0, 2**16),
-       with_state=st.booleans(), with_segments=st.booleans(),
-       dtype=st.sampled_from([np.float32, jnp.bfloat16]))
-def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, with_segments, dtype):
+VALUES = dict(shape=shapes, chunk_size=st.sampled_from([1, 4, 8, 16]), seed=st.integers(0, 2**16),
+              with_state=st.booleans(), with_segments=st.booleans(),
+              dtype=st.sampled_from([np.float32, jnp.bfloat16]),
+              family=st.sampled_from(PRIOR_FAMILIES))
+
+
+def check_values(backend, x64, shape, chunk_size, seed, with_state, with_segments, dtype, family):
     B, T, H, Dk, Dv = shape
     q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(seed, B, T, H, Dk, Dv, dtype)
+    prior = prior_of_family(family, prior, Dv, Dk, seed)
     state = random_state(seed, B, H, Dv, Dk) if with_state else None
     segment_ids = segment_ids if with_segments else None
     o, (mu, importance), var = call(backend, q, k, v, beta, log_alpha, prior, chunk_size=chunk_size,
                                     initial_state=state, segment_ids=segment_ids,
-                                    return_final_state=True, return_variance=True)
+                                    return_final_state=True, return_variance=True, x64=x64)
     o_ref, (mu_ref, I_ref), var_ref = palimpsa_numpy(q, k, v, beta, log_alpha, prior, Dk**-0.5,
                                                      state, segment_ids)
     assert o.dtype == v.dtype and o.shape == (B, T, H, Dv)
@@ -57,13 +64,30 @@ def test_matches_float64_numpy(backend, shape, chunk_size, seed, with_state, wit
         assert relative_error(actual, expected) < 1e-5
 
 
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=10)
-@given(shape=shapes, chunk_size=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16),
-       with_segments=st.booleans())
-def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with_segments):
+@given(**VALUES)
+def test_matches_float64_numpy(backend, **case):
+    check_values(backend, True, **case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=3)
+@given(**VALUES)
+def test_matches_float64_numpy_without_x64(backend, **case):
+    check_values(backend, False, **case)
+
+
+GRADIENTS = dict(shape=shapes, chunk_size=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16),
+                 with_segments=st.booleans(), family=st.sampled_from(PRIOR_FAMILIES))
+
+
+def check_gradients(backend, x64, shape, chunk_size, seed, with_segments, family):
     B, T, H, Dk, Dv = shape
     q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
+    prior = prior_of_family(family, prior, Dv, Dk, seed)
     segment_ids = segment_ids if with_segments else None
     mu0, I0 = random_state(seed + 1, B, H, Dv, Dk)
     rng = np.random.default_rng(seed + 2)
@@ -78,15 +102,30 @@ def test_gradients_match_float64_autodiff(backend, shape, chunk_size, seed, with
         return jax.grad(f, argnums=tuple(range(8)))
 
     args = (q, k, v, beta, log_alpha, prior, mu0, I0)
-    grads = loss(lambda *a: call(backend, *a[:6], chunk_size=chunk_size, initial_state=a[6:],
-                                 segment_ids=segment_ids, return_final_state=True,
-                                 return_variance=True))(*args)
+    with backends.x64_mode(x64):
+        grads = jax.jit(loss(lambda *a: call(
+            backend, *a[:6], chunk_size=chunk_size, initial_state=a[6:], segment_ids=segment_ids,
+            return_final_state=True, return_variance=True, jit=False)))(*args)
     grads_ref = loss(lambda *a: palimpsa_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
         *(jnp.asarray(x, jnp.float64) for x in args))
     names = ["q", "k", "v", "beta", "log_alpha", "prior", "mu0", "I0"]
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert g.dtype == jnp.asarray(args[names.index(name)]).dtype, name
         assert relative_error(g, g_ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=5)
+@given(**GRADIENTS)
+def test_gradients_match_float64_autodiff(backend, **case):
+    check_gradients(backend, True, **case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=2)
+@given(**GRADIENTS)
+def test_gradients_match_float64_autodiff_without_x64(backend, **case):
+    check_gradients(backend, False, **case)
 
 
 def test_float64_references_agree():
@@ -105,7 +144,7 @@ def test_two_halves_equal_whole(backend, split):
     q, k, v, beta, log_alpha, prior, _ = random_inputs(3, 2, 48, 2, 5, 4)
     run = lambda sl, state: call(backend, q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
                                  log_alpha[:, sl], prior, chunk_size=8, initial_state=state,
-                                 return_final_state=True)
+                                 return_final_state=True)[:2]
     o, state = run(slice(None), None)
     o1, state1 = run(slice(None, split), None)
     o2, state2 = run(slice(split, None), state1)
@@ -120,14 +159,14 @@ def test_segments_equal_separate_runs(backend):
     q, k, v, beta, log_alpha, prior, _ = random_inputs(4, 1, sum(lengths), 2, 3, 4)
     segment_ids = np.repeat(np.arange(len(lengths)), lengths)[None]
     state = random_state(5, 1, 2, 4, 3)
-    o, final = call(backend, q, k, v, beta, log_alpha, prior, chunk_size=8, initial_state=state,
-                    segment_ids=segment_ids, return_final_state=True)
+    o, final, _ = call(backend, q, k, v, beta, log_alpha, prior, chunk_size=8,
+                       initial_state=state, segment_ids=segment_ids, return_final_state=True)
     start = 0
     for i, n in enumerate(lengths):
         sl = slice(start, start + n)
-        o_i, final_i = call(backend, q[:, sl], k[:, sl], v[:, sl], beta[:, sl], log_alpha[:, sl],
-                            prior, chunk_size=8, initial_state=state if i == 0 else None,
-                            return_final_state=True)
+        o_i, final_i, _ = call(backend, q[:, sl], k[:, sl], v[:, sl], beta[:, sl],
+                               log_alpha[:, sl], prior, chunk_size=8,
+                               initial_state=state if i == 0 else None, return_final_state=True)
         np.testing.assert_allclose(o[:, sl], o_i, rtol=2e-5, atol=2e-6)
         start += n
     for a, b in zip(final, final_i):
@@ -181,7 +220,8 @@ def test_extreme_gates_stay_finite_and_accurate(backend, case):
     for actual, ref in zip([o, mu, importance, var], jax.tree.leaves(expected)):
         assert np.all(np.isfinite(actual))
         assert relative_error(actual, ref) < 1e-4
-    grads = jax.grad(lambda *a: jnp.sum(call(backend, *a, chunk_size=8)), argnums=tuple(range(6)))(
+    grads = jax.grad(lambda *a: jnp.sum(call(backend, *a, chunk_size=8)),
+                     argnums=tuple(range(6)))(
         q, k, v, inputs["beta"], inputs["log_alpha"], inputs["prior"])
     assert all(np.all(np.isfinite(g)) for g in grads)
 
@@ -190,7 +230,7 @@ def test_extreme_gates_stay_finite_and_accurate(backend, case):
 @pytest.mark.parametrize("length", [1, 16384])
 def test_sequence_length_extremes(backend, length):
     q, k, v, beta, log_alpha, prior, _ = random_inputs(9, 1, length, 1, 2, 2)
-    o, state = call(backend, q, k, v, beta, log_alpha, prior, return_final_state=True)
+    o, state, _ = call(backend, q, k, v, beta, log_alpha, prior, return_final_state=True)
     o_ref, state_ref, _ = palimpsa_numpy(q, k, v, beta, log_alpha, prior, 2**-0.5)
     assert relative_error(o, o_ref) < 1e-5
     assert all(relative_error(a, b) < 1e-5 for a, b in zip(state, state_ref))
@@ -204,7 +244,7 @@ def test_saved_residuals_are_chunk_boundary_states(backend):
     args = (q, k, v, beta, log_alpha, prior)
     saved = lambda backend, **kw: sum(
         x.size * x.dtype.itemsize for x in jax.tree.leaves(
-            jax.vjp(lambda *a: call(backend, *a, **kw), *args)[1]))
+            jax.vjp(lambda *a: call(backend, *a, jit=False, **kw), *args)[1]))
     inputs = sum(np.asarray(x).nbytes for x in args)
     boundary_states = 2 * (T // C + 1) * B * H * Dv * Dk * 4
     assert saved(backend, chunk_size=C) <= 2 * inputs + boundary_states
@@ -223,6 +263,7 @@ def _bad_arguments():
         ("beta", dict(beta=beta[..., :3])),
         ("log_alpha", dict(log_alpha=log_alpha[..., None])),
         ("prior", dict(prior=prior[:1])),
+        ("prior", dict(prior=np.ones((2, 3), np.float32))),     # (H, Dk): not a prior family
         ("k", dict(k=k.astype(jnp.bfloat16))),
         ("beta", dict(beta=beta.astype(np.float16))),
         ("q", dict(q=q.astype(np.int32), k=k.astype(np.int32), v=v.astype(np.int32),
@@ -237,6 +278,13 @@ def _bad_arguments():
         ("initial_state[I]", dict(initial_state=(state[0], state[1][..., :2]))),
         ("initial_state[I]", dict(initial_state=(state[0], -state[1]))),
         ("scale", dict(scale=-1.0)),
+        ("q", dict(q=np.where(np.arange(3) == 1, np.nan, q))),
+        ("k", dict(k=np.where(np.arange(3) == 2, np.inf, k))),
+        ("v", dict(v=np.where(np.arange(4) == 0, -np.inf, v))),
+        ("beta", dict(beta=np.where(np.arange(4) == 3, np.nan, beta))),
+        ("log_alpha", dict(log_alpha=np.where(np.arange(2) == 1, np.nan, log_alpha))),
+        ("prior", dict(prior=np.array([1.0, np.inf], np.float32))),
+        ("initial_state[mu]", dict(initial_state=(np.full_like(state[0], np.nan), state[1]))),
         ("backend", dict(backend="cuda")),
         ("chunk_size", dict(backend="reference", chunk_size=8)),
         ("chunk_size", dict(backend="xla", chunk_size=0)),
@@ -253,10 +301,19 @@ def test_bad_arguments_raise_value_error_naming_them(argument, changes):
         kernels.palimpsa_attention(*positional, **kwargs)
 
 
-def test_values_are_not_checked_under_jit():
-    """Shapes are checked at trace time; values only when concrete (documented behaviour)."""
+@pytest.mark.parametrize("changes", [
+    dict(prior=-np.ones(1, np.float32)),
+    dict(log_alpha=np.ones((1, 4, 1), np.float32)),
+    dict(beta=-np.ones((1, 4, 1, 2), np.float32)),
+    dict(q=np.full((1, 4, 1, 2), np.nan, np.float32)),
+], ids=["negative prior", "positive log_alpha", "negative beta", "NaN q"])
+def test_values_are_not_checked_under_jit(changes):
+    """Eagerly each of these bad values is a ValueError; under jit only shapes are checked
+    (documented): the call runs and returns an array of the right shape."""
     q, k, v, beta, log_alpha, prior, _ = random_inputs(12, 1, 4, 1, 2, 2)
-    jitted = jax.jit(kernels.palimpsa_attention)
-    assert np.all(np.isfinite(jitted(q, k, v, beta, log_alpha, prior)))
-    with pytest.raises(ValueError, match="prior"):
-        jitted(q, k, v, beta, log_alpha, prior[None])
+    args = {**dict(q=q, k=k, v=v, beta=beta, log_alpha=log_alpha, prior=prior), **changes}
+    with pytest.raises(ValueError, match=f"^{next(iter(changes))} "):
+        kernels.palimpsa_attention(**args)
+    assert jax.jit(kernels.palimpsa_attention)(**args).shape == (1, 4, 1, 2)
+    with pytest.raises(ValueError, match="^prior must have shape"):
+        jax.jit(kernels.palimpsa_attention)(**{**args, "prior": prior[None]})

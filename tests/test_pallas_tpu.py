@@ -5,18 +5,20 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-import kernels
-from kernels import api, chunking
-from kernels.palimpsa import naive, pallas_tpu
+from palimpsa_jax import kernels
+from palimpsa_jax.kernels import api, chunking
+from palimpsa_jax.kernels.palimpsa import naive, pallas_tpu
 from references import random_inputs, relative_error
 
 
 def _inputs(seed, B, T, H, Dk, Dv):
+    """Backend arguments: a per-synapse prior (H, Dv, Dk) and the (B, T, H) reset mask."""
     q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(seed, B, T, H, Dk, Dv)
     rng = np.random.default_rng(seed + 1)
     M0 = rng.normal(size=(B, H, Dv, Dk)).astype(np.float32)
     Ibar0 = rng.uniform(0.0, 3.0, size=(B, H, Dv, Dk)).astype(np.float32)
-    reset = chunking.segment_resets(jnp.asarray(segment_ids), B, T)
+    prior = prior[:, None, None] * rng.uniform(0.5, 2.0, size=(H, Dv, Dk)).astype(np.float32)
+    reset, log_alpha = chunking.resets(jnp.asarray(segment_ids), log_alpha)
     return (q, k, v, beta, log_alpha, prior, M0, Ibar0), reset
 
 
@@ -46,14 +48,14 @@ def test_backend_matches_reference_with_padded_heads(T, chunk_size, sub_chunk):
     weights = [rng.normal(size=s).astype(np.float32)
                for s in [(B, T, H, Dv)] * 2 + [(B, H, Dv, Dk)] * 2]
     options = dict(chunk_size=chunk_size, sub_chunk=sub_chunk, interpret=interpret)
-    out = pallas_tpu.palimpsa(*args, reset, scale=0.3, return_variance=True, **options)
-    expected = naive.palimpsa(*args, reset, scale=0.3, return_variance=True)
+    out = pallas_tpu.palimpsa_pallas_tpu(*args, reset, scale=0.3, return_variance=True, **options)
+    expected = naive.palimpsa_reference(*args, reset, scale=0.3, return_variance=True)
     for name, a, e in zip(["o", "variance", "M", "Ibar"], out, expected):
         assert a.shape == e.shape and a.dtype == jnp.float32, name
         assert relative_error(a, e) < 1e-5, name
     argnums = tuple(range(len(args)))
-    grads = jax.grad(_loss(pallas_tpu.palimpsa, reset, weights, **options), argnums)(*args)
-    grads_ref = jax.grad(_loss(naive.palimpsa, reset, weights), argnums)(*args)
+    grads = jax.grad(_loss(pallas_tpu.palimpsa_pallas_tpu, reset, weights, **options), argnums)(*args)
+    grads_ref = jax.grad(_loss(naive.palimpsa_reference, reset, weights), argnums)(*args)
     names = ["q", "k", "v", "beta", "log_alpha", "prior", "M0", "Ibar0"]
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert g.shape == g_ref.shape, name
@@ -83,7 +85,7 @@ def test_chunk_and_sub_chunk_are_validated():
     for options, name in [(dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.0), "chunk_size"),
                           (dict(chunk_size=8, sub_chunk=3), "sub_chunk")]:
         with pytest.raises(ValueError, match=f"^{name} "):
-            pallas_tpu.palimpsa(*args, reset, scale=1.0, return_variance=False, interpret=True,
+            pallas_tpu.palimpsa_pallas_tpu(*args, reset, scale=1.0, return_variance=False, interpret=True,
                                 **options)
 
 
@@ -96,20 +98,20 @@ def test_needs_a_tpu_or_interpret_mode():
 
 def test_auto_picks_pallas_tpu_on_tpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert api._resolve("auto", kernels.PALIMPSA_BACKENDS)[0] is pallas_tpu.palimpsa
-    assert api._resolve("auto", kernels.GLA_BACKENDS)[0] is kernels.GLA_BACKENDS["xla"]
+    assert api.resolve_backend("auto", kernels.PALIMPSA_BACKENDS)[0] is pallas_tpu.palimpsa_pallas_tpu
+    assert api.resolve_backend("auto", kernels.GLA_BACKENDS)[0] is kernels.GLA_BACKENDS["xla"]
 
 
 def test_lowers_to_mosaic_for_tpu(monkeypatch):
     """Forward and backward pass the Pallas -> Mosaic TPU lowering at Dk = Dv = 128, C = 128."""
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     B, T, H, D = 1, 256, 2, 128
-    shapes = [(B, T, H, D)] * 4 + [(B, T, H), (H,), (B, H, D, D), (B, H, D, D)]
+    shapes = [(B, T, H, D)] * 4 + [(B, T, H), (H, D, D), (B, H, D, D), (B, H, D, D)]
     specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
 
     def loss(*args):
-        outputs = pallas_tpu.palimpsa(*args, jnp.zeros((B, T), bool), scale=D**-0.5,
-                                      return_variance=True)
+        outputs = pallas_tpu.palimpsa_pallas_tpu(*args, jnp.zeros((B, T, H), bool), scale=D**-0.5,
+                                                 return_variance=True)
         return sum(jnp.sum(x) for x in outputs)
 
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(8))))

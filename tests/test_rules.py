@@ -1,4 +1,4 @@
-"""Properties of the sequential reference rules of kernels/rules.py (SPEC section 2), in float64."""
+"""Properties of the sequential reference rules of kernels/rules.py (README "The unified view"), in float64."""
 import jax
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 jax.config.update("jax_enable_x64", True)
 
-from kernels import rules  # noqa: E402  (after enabling x64)
+from palimpsa_jax.kernels import rules  # noqa: E402  (after enabling x64)
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 lengths, key_dims, value_dims = st.integers(1, 12), st.integers(1, 6), st.integers(1, 6)
@@ -18,7 +18,7 @@ def hypothesis_settings(max_examples):
     return settings(max_examples=max_examples, deadline=None, database=None)
 
 
-# Independent NumPy loops, written from the table of SPEC section 2. A state is (S, P) with P the
+# Independent NumPy loops, written from the table of README "The unified view". A state is (S, P) with P the
 # precision (None for the rules without one); each update maps (S, P, k, v, beta, alpha, prior).
 
 def np_mamba2(S, P, k, v, b, a, p):
@@ -143,7 +143,7 @@ def test_gated_deltanet_without_forgetting_is_deltanet(length, dk, dv, seed):
 @hypothesis_settings(10)
 @given(length=lengths, dk=key_dims, dv=value_dims, seed=seeds)
 def test_palimpsa_is_a_ratio_of_two_mamba2_memories(length, dk, dv, seed):
-    """Natural-parameter form (SPEC section 1): M = I ⊙ mu and Ibar = I - I_prior are both Mamba2
+    """Natural-parameter form (README "The kernel API"): M = I ⊙ mu and Ibar = I - I_prior are both Mamba2
     memories (I_prior = 1), M of (k, v) and Ibar of (k², 1), from M_0 = mu_0 ⊙ I_0 and
     Ibar_0 = I_0 - I_prior."""
     rng = np.random.default_rng([seed, 1])

@@ -1,6 +1,6 @@
-"""Sweeps: grid expansion and point names, overrides, and a tiny grid run end to end (CPU)."""
+"""Grids: the paper's MQAR grid and recipe, point names, overrides, replicas trained together
+(equal to each alone, early stop and resume per replica), results, and the command line."""
 import csv
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -10,133 +10,207 @@ import sys
 import numpy as np
 import pytest
 
-from palimpsa_jax.training import sweep
+from palimpsa_jax.data import write_corpus
+from palimpsa_jax.data.mqar import MQARSource
+from palimpsa_jax.experiments.lm import palimpsa_d as lm_experiment
+from palimpsa_jax.experiments.mqar import common
+from palimpsa_jax.experiments.mqar import sweep as mqar_sweep
+from palimpsa_jax.training import ConfigError, grid, replicas
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWEEP_FILE = str(ROOT / "experiments/mqar/sweep.py")
-TINY = {"train.steps": 3, "batch_size": 8, "data.num_train": 64, "data.num_test": 16,
-        "data.seq_len": 16, "data.num_pairs": 2, "data.eval_slices": [[16, 2]],
-        "eval.batch_size": 16, "log.progress": False, "log.diagnostics_every_steps": 0,
+# A tiny MQAR point: 1 layer of d_model 32, 16 tokens with 2 pairs, vocabulary 32.
+TINY = {"train.steps": 6, "batch_size": 8, "data.num_train": 64, "data.num_test": 16,
+        "data.vocab_size": 32, "model.vocab_size": 32, "data.seq_len": 16, "data.num_pairs": 2,
+        "data.eval_slices": [[16, 2]], "eval.batch_size": 16, "eval.every_steps": 2,
+        "log.progress": False, "log.every_steps": 1, "log.diagnostics_every_steps": 0,
         "checkpoint.every_steps": 2, "checkpoint.async_save": False, "model.n_layers": 1,
-        "model.d_model": 32}
+        "model.d_model": 32, "model.num_heads": 2, "model.head_dim": 8}
 
 
-def test_paper_grid():
-    points = sweep.load_sweep(SWEEP_FILE + ":paper")
-    names = sweep.point_names(points)
-    assert len(points) == 32 and len(set(names)) == 32
-    assert names[0] == "mixer=palimpsa_d,seq_len=512,lr=0.001"
-    assert names[-1] == "mixer=gated_deltanet,seq_len=1024,lr=0.01"
+def tiny(seed: int, lr: float, **changes):
+    (point,) = grid.apply_overrides([common.cpu("palimpsa_d")],
+                                    {**TINY, "seed": seed, "optim.lr": lr, **changes})
+    return point
+
+
+def losses(run_dir) -> list[float]:
+    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train/loss"] for line in lines if "train/loss" in line]
+
+
+def test_paper_grid_is_the_authors_recipe():
+    points = grid.load_grid(SWEEP_FILE + ":paper")
+    names = grid.point_names(points)
+    assert len(points) == 5 * 2 * 4 * 8 == len(set(names))
+    assert names[0] == "mixer=palimpsa_d,seq_len=512,lr=0.001,seed=1"
+    assert names[-1] == "mixer=gated_deltanet,seq_len=1024,lr=0.01,seed=8"
     lrs = np.logspace(np.log10(1e-3), np.log10(1e-2), 4)
-    grid = {(sweep.mixer_label(p), p.data.seq_len, p.optim.lr) for p in points}
-    assert grid == {(m, s, float(lr)) for m in ("palimpsa_d", "palimpsa_d_off", "mamba2",
-                                                 "gated_deltanet")
-                    for s in (512, 1024) for lr in lrs}
+    assert {(grid.mixer_label(p), p.data.seq_len, p.optim.lr, p.seed) for p in points} == {
+        (m, s, float(lr), seed) for m in ("palimpsa_d", "palimpsa_d_off", "palimpsa_m", "mamba2",
+                                          "gated_deltanet")
+        for s in (512, 1024) for lr in lrs for seed in range(1, 9)}
     for p in points:
         pairs, batch = {512: (128, 128), 1024: (256, 64)}[p.data.seq_len]
-        assert (p.data.num_pairs, p.batch_size) == (pairs, batch)
-        assert [list(s) for s in p.data.eval_slices] == [[p.data.seq_len, pairs]]
-        assert p.train.steps * p.batch_size == points[0].train.steps * 128   # same epochs
-        assert p.model.metaplasticity == (sweep.mixer_label(p) != "palimpsa_d_off")
-    columns = sweep._column_values(points)[0]
-    assert list(columns) == ["mixer", "data.seq_len", "data.num_pairs", "optim.lr", "batch_size",
-                             "data.eval_slices", "train.steps"]
+        epoch = -(-100_000 // batch)
+        assert (p.data.num_pairs, p.batch_size, p.data.vocab_size) == (pairs, batch, 8192)
+        assert (p.data.num_train, p.data.num_test, p.data.power_a) == (100_000, 3_000, 0.01)
+        assert p.train.steps == 60 * epoch and p.train.early_stop_accuracy == 0.99
+        assert p.eval.every_steps == p.optim.schedule_every_steps == epoch
+        o = p.optim
+        assert (o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm, o.warmup_steps) == (
+            0.9, 0.999, 1e-8, 0.1, 0.0, 0)
+        assert o.decay_every_parameter and o.schedule == "cosine" and o.min_lr_ratio == 0.0
+        m = p.model
+        assert (m.d_model, m.n_layers, m.mlp_hidden, m.beta_rank, m.final_norm) == (
+            128, 2, 0, 8, "layernorm")
+        assert (m.forget_init, m.a_min, m.a_max, m.dt_min, m.dt_max) == ("ramp", 0.01, 0.16,
+                                                                         1e-3, 1e-1)
+        assert m.init_std == m.conv_init_std == pytest.approx(128**-0.5)
+        if grid.mixer_label(p) in ("mamba2", "palimpsa_m"):
+            assert (m.ssm_head_dim, m.ssm_state, m.ssm_groups, m.ssm_bias, m.ssm_conv_bias) == (
+                32, 16, 8, True, False)
+        else:
+            assert (m.num_heads, m.head_dim, m.expand_v) == (8, 16, 2)
+    assert len(replicas.group_points(points)) == 10       # 4 learning rates x 8 seeds each
 
 
-def test_cpu_grid_and_first_point():
-    points = sweep.load_sweep(SWEEP_FILE)
-    assert len(points) == 4
-    assert sweep.point_names(points)[0] == "mixer=palimpsa_d,lr=0.003"
-    spec = importlib.util.spec_from_file_location("mqar_sweep", SWEEP_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.get_config().to_dict() == points[0].to_dict()     # what train.py would run
+def test_paper_grid_options_and_errors():
+    points = grid.load_grid(SWEEP_FILE + ":paper,seeds=1,lengths=512")
+    assert len(points) == 5 * 4 and {p.data.seq_len for p in points} == {512}
+    assert {p.seed for p in points} == {1}
+    part = mqar_sweep.get_sweep("paper,seeds=2,lengths=1024,lrs=1+3,epochs=8,mixers=mamba2+palimpsa_m")
+    assert [(grid.mixer_label(p), p.optim.lr, p.seed) for p in part] == [
+        (m, lr, s) for m in ("mamba2", "palimpsa_m") for lr in common.PAPER_LRS[1::2]
+        for s in (1, 2)]
+    assert {(p.train.steps, p.optim.schedule_every_steps) for p in part} == {(8 * 1563, 1563)}
+    for bad in ("paper,seed=1", "paper,mixers=lstm", "paper,lengths=2048"):
+        with pytest.raises(ValueError, match="config argument"):
+            mqar_sweep.get_sweep(bad)
 
 
 def test_overrides_apply_to_every_point():
-    points = sweep.apply_overrides(sweep.load_sweep(SWEEP_FILE + ":paper"),
-                                   {"train.steps": 7, "model.chunk_size": 16})
+    points = grid.apply_overrides(grid.load_grid(SWEEP_FILE + ":paper,seeds=2"),
+                                  {"train.steps": 7, "model.chunk_size": 16})
     assert {(p.train.steps, p.model.chunk_size) for p in points} == {(7, 16)}
-    assert len(set(sweep.point_names(points))) == 32     # train.steps no longer varies
-    with pytest.raises(ValueError, match="train.stepz"):
-        sweep.apply_overrides(points, {"train.stepz": 3})
-    with pytest.raises(ValueError, match="optimx.lr"):
-        sweep.apply_overrides(points, {"optimx.lr": 3e-3})
-    with pytest.raises(ValueError, match="train.steps"):
-        sweep.apply_overrides(points, {"train.steps": "many"})
+    assert len(set(grid.point_names(points))) == 80
+    for key, value in [("train.stepz", 3), ("optimx.lr", 3e-3), ("train.steps", "many")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            grid.apply_overrides(points, {key: value})
 
 
-def test_summarize_interrupted_paper_grid(tmp_path):
-    """Tables and best learning rates from the metrics.json files of the points that finished."""
-    points = sweep.load_sweep(SWEEP_FILE + ":paper")
-    names = sweep.write_grid(points, tmp_path)
-    finished = {}
-    for name, p in zip(names, points):
-        mixer, lr = sweep.mixer_label(p), p.optim.lr
-        if p.data.seq_len == 512 and mixer in ("palimpsa_d", "mamba2") or name == names[4]:
-            accuracy = 0.5 + 10 * lr if mixer == "palimpsa_d" else 0.5 - 10 * lr
-            s = f"seq{p.data.seq_len}_pairs{p.data.num_pairs}"
-            finished[name] = {f"eval/{s}/accuracy": accuracy, f"eval/{s}/loss": 1.0,
-                              "eval/accuracy": accuracy, "train/loss": 2.0, "step": 10}
-            (tmp_path / name).mkdir()
-            (tmp_path / name / "metrics.json").write_text(json.dumps(finished[name]))
-    rows = sweep.summarize(tmp_path)
-    assert [r["name"] for r in rows] == list(finished) and len(rows) == 9
-    with (tmp_path / "results.csv").open() as f:
-        table = list(csv.DictReader(f))
-    assert list(table[0])[:7] == ["name", "mixer", "data.seq_len", "data.num_pairs", "optim.lr",
-                                  "batch_size", "data.eval_slices"]
-    assert (table[0]["eval/seq512_pairs128/accuracy"], table[0]["eval/seq1024_pairs256/accuracy"]
-            ) == (str(0.5 + 10 * 1e-3), "")
-    markdown = (tmp_path / "results.md").read_text()
-    assert "Not finished (23)" in markdown
-    best = markdown.split("## Best learning rate")[1].split("Not finished")[0]
-    assert f"| palimpsa_d | seq512_pairs128 | 0.01 | 0.6000 | {names[3]} |" in best
-    assert f"| palimpsa_d | seq1024_pairs256 | 0.001 | 0.5100 | {names[4]} |" in best
-    assert f"| mamba2 | seq512_pairs128 | 0.001 | 0.4900 | {names[16]} |" in best
-    assert "gated_deltanet" not in best and (tmp_path / "accuracy.png").stat().st_size > 0
+def test_materialised_examples_are_the_sources():
+    data = tiny(0, 1e-2).data
+    tokens, labels = replicas.materialise(data, "train", 16, 2, workers=2)
+    source = MQARSource("train", 64, 32, 16, 2, data.seed, data.power_a)
+    for i in (0, 17, 63):
+        np.testing.assert_array_equal(tokens[i], source[i]["tokens"])
+        np.testing.assert_array_equal(labels[i], source[i]["labels"])
 
 
-def test_command_line_rejects_unknown_key(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "palimpsa_jax.sweep", "--config", SWEEP_FILE, "--workdir",
-         str(tmp_path), "--config.train.stepz=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert "--config.train.stepz: unknown config key" in result.stderr
+def test_two_replicas_together_equal_each_alone(tmp_path):
+    """Every logged metric of a 2-replica vmapped run equals that replica's run alone; with an
+    early stop between their first accuracies, the replica that stops keeps its metrics of that
+    step and the other trains on unchanged."""
+    points = [tiny(0, 3e-3), tiny(1, 2e-2)]
+    together = replicas.train_group(points, [tmp_path / "a", tmp_path / "b"], tmp_path / "ab")
+    for name, point in zip("ab", points):
+        alone = replicas.train_group([point], [tmp_path / f"{name}1"], tmp_path / f"{name}g")
+        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / f"{name}1"),
+                                   rtol=2e-5)
+        final = together["ab".index(name)]
+        for key in ("eval/accuracy", "eval/seq16_pairs2/loss", "train/loss", "step"):
+            assert final[key] == pytest.approx(alone[0][key], rel=2e-5), key
+
+    first = [json.loads(line) for name in "ab"
+             for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+             if '"eval/accuracy"' in line and json.loads(line)["step"] == 2]
+    low, high = sorted(r["eval/accuracy"] for r in first)
+    if low == high:
+        pytest.skip("both replicas have the same first accuracy")     # not seen with these seeds
+    stopped = [tiny(0, 3e-3, **{"train.early_stop_accuracy": (low + high) / 2}),
+               tiny(1, 2e-2, **{"train.early_stop_accuracy": (low + high) / 2})]
+    finals = replicas.train_group(stopped, [tmp_path / "c", tmp_path / "d"], tmp_path / "cd")
+    early = [r["eval/accuracy"] for r in first].index(high)
+    assert finals[early]["step"] == 2 and finals[early]["train/stopped_early"] == 1.0
+    assert finals[1 - early]["step"] == 6 and "train/stopped_early" not in finals[1 - early]
+    np.testing.assert_allclose(losses(tmp_path / "cd"[1 - early]), losses(tmp_path / "ab"[1 - early]),
+                               rtol=2e-5)
 
 
-def test_tiny_sweep_end_to_end(tmp_path, capsys):
-    points = sweep.apply_overrides(sweep.load_sweep(SWEEP_FILE)[:2], TINY)   # palimpsa_d x 2 lr
-    names = sweep.point_names(points)
-    assert names == ["lr=0.003", "lr=0.01"]
-    rows = sweep.run_sweep(points, tmp_path)
+def test_an_interrupted_group_resumes(tmp_path):
+    points = [tiny(0, 1e-2), tiny(1, 1e-2)]
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    whole = replicas.train_group(points, dirs, tmp_path / "g")
+    expected = [losses(d) for d in dirs]
+    shutil.rmtree(tmp_path / "g" / "checkpoints" / "6")       # as if killed after step 4
+    for d in dirs:
+        (d / "metrics.json").unlink()
+    resumed = replicas.train_group(points, dirs, tmp_path / "g")
+    assert [losses(d) for d in dirs] == expected
+    for a, b in zip(resumed, whole):
+        assert a["eval/accuracy"] == b["eval/accuracy"] and a["step"] == b["step"] == 6
+
+
+def test_replicas_of_a_group_may_differ_only_in_seed_and_rate():
+    with pytest.raises(ConfigError, match=r"differ only in .*batch_size"):
+        replicas.ReplicaGroup([tiny(0, 1e-2), tiny(0, 1e-2, batch_size=16)])
+
+
+def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
+    points = grid.apply_overrides(grid.load_grid(SWEEP_FILE)[:4], TINY)   # palimpsa_d: 2 lr x 2 seeds
+    names = grid.point_names(points)
+    assert names == ["lr=0.003,seed=0", "lr=0.003,seed=1", "lr=0.01,seed=0", "lr=0.01,seed=1"]
+    rows = grid.run_grid(points, tmp_path)
+    assert "training 4 replica(s) together" in capsys.readouterr().out
     assert [r["name"] for r in rows] == names
     for name in ("results.csv", "results.md", "accuracy.png", "sweep.json"):
         assert (tmp_path / name).stat().st_size > 0
     with (tmp_path / "results.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert [r["name"] for r in table] == names
-    markdown = (tmp_path / "results.md").read_text()
     for row, name in zip(table, names):
         final = json.loads((tmp_path / name / "metrics.json").read_text())
-        assert row["mixer"] == "palimpsa_d" and float(row["optim.lr"]) == float(name[3:])
-        for key in ("eval/seq16_pairs2/accuracy", "eval/accuracy", "train/loss"):
-            assert float(row[key]) == final[key]
-        assert int(row["step"]) == final["step"] == 3
-        assert f"| {name} | palimpsa_d |" in markdown
-    assert "## Best learning rate per (mixer, slice)" in markdown
-    assert "| palimpsa_d | seq16_pairs2 |" in markdown
+        assert float(row["eval/seq16_pairs2/accuracy"]) == final["eval/seq16_pairs2/accuracy"]
+        assert int(row["step"]) == final["step"] == 6
+    markdown = (tmp_path / "results.md").read_text()
+    best = markdown.split("## Best learning rate")[1]
+    accuracies = {n: json.loads((tmp_path / n / "metrics.json").read_text())[
+        "eval/seq16_pairs2/accuracy"] for n in names}
+    means = {lr: np.mean([accuracies[f"lr={lr},seed={s}"] for s in (0, 1)]) for lr in ("0.003", "0.01")}
+    lr = max(means, key=means.get)
+    spread = [accuracies[f"lr={lr},seed={s}"] for s in (0, 1)]
+    assert (f"| palimpsa_d | seq16_pairs2 | {float(lr):.4g} | {means[lr]:.4f} | "
+            f"{min(spread):.4f}-{max(spread):.4f} | 2 |") in best
+    assert grid.run_grid(points, tmp_path) == rows           # everything finished: skipped
+    with pytest.raises(ConfigError, match=r"data\.seed"):
+        grid.run_grid(grid.apply_overrides(points, {"data.seed": 1}), tmp_path)
 
-    # A second run skips the finished point and resumes the interrupted one (checkpoint of step 2,
-    # no metrics.json) to the same final metrics.
-    (tmp_path / names[1] / "metrics.json").unlink()
-    shutil.rmtree(tmp_path / names[1] / "checkpoints" / "3")
-    capsys.readouterr()
-    assert sweep.run_sweep(points, tmp_path) == rows
-    out = capsys.readouterr().out
-    assert f"{names[0]}: finished before, skipped" in out and f"{names[1]}: resuming" in out
 
-    changed = sweep.apply_overrides(points, {"data.seed": 1})
-    with pytest.raises(ValueError, match=r"data\.seed"):
-        sweep.run_sweep(changed, tmp_path)
+def test_text_grid_runs_point_after_point(tmp_path):
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(3, 64, size=rng.integers(3, 30)).tolist() for _ in range(32)]
+    write_corpus(tmp_path / "train.npy", documents, eos_id=2)
+    points = []
+    for lr in (1e-3, 3e-3):
+        c = lm_experiment.get_config()
+        c.model.update(vocab_size=64, d_model=32, n_layers=1, num_heads=2, head_dim=16,
+                       mlp_hidden=32, beta_rank=4)
+        c.data.update(path=str(tmp_path / "train.npy"), test_path=str(tmp_path / "train.npy"),
+                      seq_len=16)
+        c.batch_size, c.train.steps, c.optim.lr, c.optim.warmup_steps = 2, 2, lr, 1
+        c.log.update(progress=False, diagnostics_every_steps=0)
+        c.eval.update(every_steps=0, batch_size=2)
+        points.append(c)
+    rows = grid.run_grid(points, tmp_path / "grid")
+    assert [r["name"] for r in rows] == ["lr=0.001", "lr=0.003"]
+    assert all(np.isfinite(r["eval/accuracy"]) and r["step"] == 2 for r in rows)
+    assert not (tmp_path / "grid" / "accuracy.png").exists()      # no MQAR slices
+
+
+def test_command_line_rejects_unknown_key(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "palimpsa_jax.commands.sweep", "--config", SWEEP_FILE, "--workdir",
+         str(tmp_path), "--config.train.stepz=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "--config.train.stepz: unknown config key" in result.stderr

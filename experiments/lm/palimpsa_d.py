@@ -1,8 +1,8 @@
-"""Language modelling with Palimpsa-D on a local corpus of token ids (SPEC section 5).
+"""Language modelling with Palimpsa-D on a local corpus of token ids (arXiv 2602.09075).
 
-    python -m palimpsa_jax.train --config experiments/lm/palimpsa_d.py --workdir runs/lm_small \
+    palimpsa-train --config experiments/lm/palimpsa_d.py --workdir runs/lm_small \
         --config.data.path=corpus/train.npy --config.data.test_path=corpus/test.npy
-    python -m palimpsa_jax.train --config experiments/lm/palimpsa_d.py:170m --workdir runs/lm_170m \
+    palimpsa-train --config experiments/lm/palimpsa_d.py:170m --workdir runs/lm_170m \
         --config.data.path=fineweb_edu/train.npy --config.data.test_path=fineweb_edu/val.npy
 
 The corpus is a 1-D .npy array of token ids, each document ending with `data.eos_id` (write one
@@ -12,7 +12,7 @@ with `palimpsa_jax.data.write_corpus`); nothing is downloaded. Documents are pac
 No argument: a small CPU model (4 layers, d_model 256, vocabulary 32000, sequences of 256).
 `:170m` / `:340m` / `:760m`: the paper's models (Llama-2 vocabulary, sequences of 2048,
 0.5M tokens per step, 15B tokens; 30B at 760m) in bfloat16 over float32 master weights. The
-optimiser settings are this codebase's choice: the SPEC gives the data and models, not them.
+optimiser settings are this codebase's choice: the paper gives the data and models, not them.
 """
 import ml_collections
 
@@ -25,7 +25,7 @@ TOKENS = {"170m": 15e9, "340m": 15e9, "760m": 30e9}
 def get_config(arg=None):
     c = base_config()
     c.data = ml_collections.ConfigDict(dict(kind="text", path="", test_path="", eos_id=2,
-                                            seq_len=256, seed=0))
+                                            seq_len=256))
     if arg in (None, ""):
         c.model = model_fields(ModelConfig(vocab_size=32000, d_model=256, n_layers=4,
                                            num_heads=4, head_dim=64, mlp_hidden=768))

@@ -1,57 +1,66 @@
-"""The MQAR sweep of the paper (SPEC section 5): mixers x (sequence, pairs) x learning rates.
+"""The MQAR sweep of the paper: mixers x (sequence length, pairs) x learning rates x seeds.
 
-    python -m palimpsa_jax.sweep --config experiments/mqar/sweep.py --workdir runs/mqar_sweep
-    python -m palimpsa_jax.sweep --config experiments/mqar/sweep.py:paper --workdir runs/mqar_sweep_paper
+    palimpsa-sweep --config experiments/mqar/sweep.py --workdir runs/mqar_sweep
+    palimpsa-sweep --config experiments/mqar/sweep.py:paper --workdir runs/mqar_sweep_paper
+    palimpsa-sweep --config experiments/mqar/sweep.py:paper,seeds=1,lengths=512 --workdir ...
+    palimpsa-sweep --config experiments/mqar/sweep.py:paper,seeds=1,lrs=1+2,epochs=8,mixers=mamba2 ...
 
-`:paper`: Palimpsa-D, Palimpsa-D with metaplasticity off, Mamba2 and Gated DeltaNet x
-(sequence 512, 128 pairs, batch 128) and (sequence 1024, 256 pairs, batch 64), each evaluated
-on its own setting, x learning rates logspace(1e-3, 1e-2, 4): 32 runs of the same number of
-epochs. No argument: a small CPU grid (Palimpsa-D and Gated DeltaNet x sequence 64 x 2 learning
-rates, 300 steps each: 1200 steps in all, three times the CPU variant's 400; not timed end to
-end).
-`--config.<key>=<value>` overrides a key in every point; `get_config(arg)` is the first point
-(`python -m palimpsa_jax.train --config experiments/mqar/sweep.py ...` runs it alone).
+`:paper` is the authors' grid (values in `common.py`): Palimpsa-D, Palimpsa-D without
+metaplasticity, Palimpsa-M, Mamba2 and Gated DeltaNet x (512 tokens, 128 pairs, batch 128) and
+(1024 tokens, 256 pairs, batch 64) x learning rates logspace(1e-3, 1e-2, 4) x seeds 1-8, each
+point up to 60 epochs with early stop. Options, to run part of it: `seeds=N` keeps seeds 1..N,
+`lengths=512` (or 1024) one setting, `lrs=1+2` the learning rates of those indices (0-3),
+`epochs=N` a cosine over N epochs instead of 60 (stepped per epoch, as the recipe), and
+`mixers=a+b` those mixers. The points that share a model (learning rates x seeds) train together as one vmapped
+program on one device (`palimpsa_jax.training.replicas`). No argument: a small CPU grid
+(Palimpsa-D and Gated DeltaNet x 2 learning rates x 2 seeds of the CPU job, 150 steps each).
+`--config.<key>=<value>` overrides a key in every point; `get_config(arg)` is the first point.
 """
-import numpy as np
+from palimpsa_jax.experiments.mqar import common
 
-from palimpsa_jax.training import mqar_config
-
-# (mqar_config mixer, model changes): palimpsa_d, palimpsa_d_off, mamba2, gated_deltanet
-PAPER_MIXERS = (("palimpsa_d", {}), ("palimpsa_d", {"metaplasticity": False}), ("mamba2", {}),
-                ("gated_deltanet", {}))
-PAPER_SETTINGS = ((512, 128, 128), (1024, 256, 64))   # (sequence length, pairs, batch size)
-PAPER_LRS = np.logspace(np.log10(1e-3), np.log10(1e-2), 4)
+OPTIONS = ("seeds", "lengths", "lrs", "epochs", "mixers")
 
 
-def _paper_point(mixer, model_changes, seq_len, num_pairs, batch_size, lr):
-    c = mqar_config(mixer, "paper", **model_changes)
-    epochs = c.train.steps * c.batch_size / c.data.num_train     # of the paper config (batch 128)
-    c.data.update(seq_len=seq_len, num_pairs=num_pairs, eval_slices=((seq_len, num_pairs),))
-    c.batch_size = batch_size
-    c.train.steps = round(epochs * c.data.num_train / batch_size)
-    c.optim.lr = float(lr)
-    return c
-
-
-def _cpu_point(mixer, lr):
-    c = mqar_config(mixer)
-    c.train.steps = 300
-    c.optim.update(lr=lr, warmup_steps=30)
-    c.checkpoint.every_steps = 100
-    c.eval.every_steps = 0                  # only at the end
-    return c
+def _options(arg: str) -> dict[str, str]:
+    """"paper,seeds=3,lengths=512" -> {"seeds": "3", "lengths": "512"}."""
+    options = {}
+    for item in arg.split(",")[1:]:
+        key, _, value = item.partition("=")
+        if key not in OPTIONS or not value:
+            raise ValueError(f"config argument {arg!r}: expected paper followed by options "
+                             f",key=value with keys {OPTIONS}")
+        options[key] = value
+    return options
 
 
 def get_sweep(arg=None):
-    if arg == "paper":
-        return [_paper_point(mixer, changes, *setting, lr)
-                for mixer, changes in PAPER_MIXERS
-                for setting in PAPER_SETTINGS
-                for lr in PAPER_LRS]
     if arg in (None, ""):
-        return [_cpu_point(mixer, lr) for mixer in ("palimpsa_d", "gated_deltanet")
-                for lr in (3e-3, 1e-2)]
-    raise ValueError(f"config argument must be empty or 'paper', got {arg!r}")
+        points = []
+        for mixer in ("palimpsa_d", "gated_deltanet"):
+            for lr in (3e-3, 1e-2):
+                for seed in (0, 1):
+                    c = common.cpu(mixer)
+                    c.seed, c.optim.lr = seed, lr
+                    c.train.steps = 150
+                    c.eval.every_steps = 0            # only at the end
+                    points.append(c)
+        return points
+    if arg.split(",")[0] != "paper":
+        raise ValueError(f"config argument must be empty or paper[,...], got {arg!r}")
+    options = _options(arg)
+    settings = [s for s in common.PAPER_SETTINGS
+                if int(options.get("lengths", s[0])) == s[0]]
+    seeds = common.PAPER_SEEDS[:int(options.get("seeds", len(common.PAPER_SEEDS)))]
+    lrs = [common.PAPER_LRS[int(i)] for i in options.get("lrs", "0+1+2+3").split("+")]
+    mixers = options.get("mixers", "+".join(common.MIXERS)).split("+")
+    epochs = int(options.get("epochs", common.PAPER_EPOCHS))
+    if not (settings and seeds and set(mixers) <= set(common.MIXERS)):
+        raise ValueError(f"config argument {arg!r}: no such lengths, seeds or mixers")
+    return [common.paper(mixer, seq_len, num_pairs, batch_size, lr, seed, epochs=epochs)
+            for mixer in mixers
+            for seq_len, num_pairs, batch_size in settings
+            for lr in lrs
+            for seed in seeds]
 
 
 def get_config(arg=None):

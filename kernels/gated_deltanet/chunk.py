@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import chunking
+from palimpsa_jax.kernels import chunking
 
 DEFAULT_CHUNK_SIZE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -67,6 +67,7 @@ def _unit_lower_inverse(A):
 def _chunk_step(S_in, xs, scale: float):
     (q, k, v, beta, log_alpha), reset = xs
     q, k, v, beta, log_alpha = (x.astype(jnp.float32) for x in (q, k, v, beta, log_alpha))
+    (v,), (k, beta, log_alpha), poisoned = chunking.finite_inputs((v,), (k, beta, log_alpha))
     decay, from_start = chunking.chunk_decays(log_alpha, reset)
     size, dv = v.shape[-2:]
     strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
@@ -81,12 +82,13 @@ def _chunk_step(S_in, xs, scale: float):
          + from_start[..., None] * jnp.einsum("bhvk,bhtk->bhtv", S_in, q, precision=_HIGHEST))
     S_out = (from_start[..., -1, None, None] * S_in
              + jnp.einsum("bhs,bhsv,bhsk->bhvk", decay[..., -1, :], U, k, precision=_HIGHEST))
-    return S_out, scale * o
+    return chunking.poison(S_out, poisoned[..., -1, :]), chunking.poison(scale * o, poisoned)
 
 
-def gated_delta(q, k, v, beta, log_alpha, S0, reset, *, scale: float,
-                chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Chunked backend; same arguments and returns as `kernels.gated_deltanet.naive.gated_delta`."""
+def gated_delta_chunked(q, k, v, beta, log_alpha, S0, reset, *, scale: float,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked backend; same arguments and returns as `gated_delta_reference`
+    (`kernels.gated_deltanet.naive`)."""
     chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
     S, o = jax.lax.scan(lambda S_in, xs: _chunk_step(S_in, xs, scale), S0, (chunks, reset))
     return chunking.from_chunks(o, q.shape[1]), S

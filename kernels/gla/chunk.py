@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import chunking
+from palimpsa_jax.kernels import chunking
 
 DEFAULT_CHUNK_SIZE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -25,17 +25,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def _chunk_step(S_in, xs, scale: float):
     (q, k, v, log_alpha), reset = xs
     q, k, v, log_alpha = (x.astype(jnp.float32) for x in (q, k, v, log_alpha))
+    (v,), (k, log_alpha), poisoned = chunking.finite_inputs((v,), (k, log_alpha))
     decay, from_start = chunking.chunk_decays(log_alpha, reset)
     scores = jnp.einsum("bhtk,bhsk->bhts", q, k, precision=_HIGHEST) * decay
     o = (jnp.einsum("bhts,bhsv->bhtv", scores, v, precision=_HIGHEST)
          + from_start[..., None] * jnp.einsum("bhvk,bhtk->bhtv", S_in, q, precision=_HIGHEST))
     S_out = (from_start[..., -1, None, None] * S_in
              + jnp.einsum("bhs,bhsv,bhsk->bhvk", decay[..., -1, :], v, k, precision=_HIGHEST))
-    return S_out, scale * o
+    return chunking.poison(S_out, poisoned[..., -1, :]), chunking.poison(scale * o, poisoned)
 
 
-def gla(q, k, v, log_alpha, S0, reset, *, scale: float, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Chunked backend; same arguments and returns as `kernels.gla.naive.gla`."""
+def gla_chunked(q, k, v, log_alpha, S0, reset, *, scale: float,
+                chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked backend; same arguments and returns as `gla_reference` (`kernels.gla.naive`)."""
     chunks, reset = chunking.split_chunks((q, k, v, log_alpha), reset, chunk_size)
     S, o = jax.lax.scan(lambda S_in, xs: _chunk_step(S_in, xs, scale), S0, (chunks, reset))
     return chunking.from_chunks(o, q.shape[1]), S

@@ -13,8 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import chunking
-from kernels.palimpsa.naive import readout
+from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.palimpsa.naive import readout
 
 DEFAULT_CHUNK_SIZE = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -24,10 +24,11 @@ def _chunk_step(state, chunk, prior, reset, *, scale: float, return_variance: bo
     """One chunk: (M_in, Ibar_in) each (B, H, Dv, Dk) -> (M_out, Ibar_out), (o, variance).
 
     chunk = (q, k, v, beta, log_alpha) with q, k: (B, H, C, Dk); v, beta: (B, H, C, Dv);
-    log_alpha: (B, H, C); reset: (B, 1, C) bool; prior: (H,).
+    log_alpha: (B, H, C); reset: (B, H, C) bool; prior: (H, Dv, Dk).
     """
     M_in, Ibar_in = state
     q, k, v, beta, log_alpha = (x.astype(jnp.float32) for x in chunk)
+    (v, beta), (k, log_alpha), poisoned = chunking.finite_inputs((v, beta), (k, log_alpha))
     decay, from_start = chunking.chunk_decays(log_alpha, reset)
     batch, heads, size, dv = v.shape
     dk = k.shape[-1]
@@ -39,16 +40,19 @@ def _chunk_step(state, chunk, prior, reset, *, scale: float, return_variance: bo
     M_intra, Ibar_intra = jnp.split(summed.reshape(batch, heads, size, 2 * dv, dk), 2, axis=-2)
     M = from_start[..., None, None] * M_in[:, :, None] + M_intra
     Ibar = from_start[..., None, None] * Ibar_in[:, :, None] + Ibar_intra
-    out = readout(M, Ibar, prior[:, None, None, None], q, scale, return_variance)
-    return (M[:, :, -1], Ibar[:, :, -1]), out
+    o, variance = readout(M, Ibar, prior[:, None], q, scale, return_variance)
+    out = (chunking.poison(o, poisoned),
+           None if variance is None else chunking.poison(variance, poisoned))
+    last = poisoned[..., -1, :]
+    return (chunking.poison(M[:, :, -1], last), chunking.poison(Ibar[:, :, -1], last)), out
 
 
 def xla_forward(chunks, prior, state, reset, *, scale: float, return_variance: bool):
     """Chunked forward as a `lax.scan` over chunks.
 
     Args:
-      chunks: (q, k, v, beta, log_alpha) in chunk layout (N, B, H, C, ...); prior: (H,) float32;
-      state: (M0, Ibar0), each (B, H, Dv, Dk) float32; reset: (N, B, 1, C) bool.
+      chunks: (q, k, v, beta, log_alpha) in chunk layout (N, B, H, C, ...); prior: (H, Dv, Dk)
+      float32; state: (M0, Ibar0), each (B, H, Dv, Dk) float32; reset: (N, B, H, C) bool.
     Returns:
       (o, variance or None) in chunk layout (float32), the final (M, Ibar), and the states
       entering each chunk, each (N, B, H, Dv, Dk).
@@ -114,7 +118,7 @@ def chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
             return_variance: bool, chunk_size: int, forward=xla_forward, backward=xla_backward):
     """Runs a chunked `forward` and `backward` (XLA or Pallas kernels) as one custom VJP.
 
-    Same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
+    Same arguments and returns as `palimpsa_reference` (`kernels.palimpsa.naive`).
     """
     chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
     (o, variance), (M, Ibar) = _chunked(chunks, prior, (M0, Ibar0), reset, scale,
@@ -125,8 +129,8 @@ def chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
     return chunking.from_chunks(o, length), variance, M, Ibar
 
 
-def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-             return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Chunked XLA backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`."""
+def palimpsa_chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+                     return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Chunked XLA backend; same arguments and returns as `palimpsa_reference`."""
     return chunked(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
                    return_variance=return_variance, chunk_size=chunk_size)

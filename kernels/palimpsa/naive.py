@@ -1,4 +1,5 @@
-"""Sequential reference of the metaplastic recurrence (SPEC section 1, natural-parameter form).
+"""Sequential reference of the metaplastic recurrence (natural-parameter form, README
+"The kernel API"; arXiv 2602.09075).
 
 One `lax.scan` step per token over the float32 state (M, Ibar), both (B, H, Dv, Dk):
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from palimpsa_jax.kernels import chunking
 
 
 def readout(M, Ibar, prior, q, scale: float, return_variance: bool):
@@ -27,27 +30,29 @@ def readout(M, Ibar, prior, q, scale: float, return_variance: bool):
     return o, variance
 
 
-def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float, return_variance: bool):
-    """Sequential scan over tokens.
+def palimpsa_reference(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+                       return_variance: bool):
+    """Sequential scan over tokens; the contract of every Palimpsa backend.
 
     Args:
-      q, k: (B, T, H, Dk); v, beta: (B, T, H, Dv); log_alpha: (B, T, H); prior: (H,) float32;
-      M0, Ibar0: (B, H, Dv, Dk) float32; reset: (B, T) bool.
+      q, k: (B, T, H, Dk); v, beta: (B, T, H, Dv); log_alpha: (B, T, H) float32, finite;
+      prior: (H, Dv, Dk) float32; M0, Ibar0: (B, H, Dv, Dk) float32; reset: (B, T, H) bool,
+      True where the state is discarded before the token.
     Returns:
       o (B, T, H, Dv) float32, variance (B, T, H, Dv) float32 or None, M_T, Ibar_T.
     """
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
-    prior = prior[:, None, None]
 
     def step(state, token):
         M, Ibar = state
-        q_t, k_t, v_t, beta_t, log_alpha_t, reset_t = token
-        alpha = jnp.where(reset_t[:, None], 0.0, jnp.exp(log_alpha_t))[..., None, None]
+        q_t, k_t, v_t, beta_t, alpha_t = token
+        alpha = alpha_t[..., None, None]
         M = alpha * M + v_t[..., :, None] * k_t[..., None, :]
         Ibar = alpha * Ibar + beta_t[..., :, None] * (k_t * k_t)[..., None, :]
         return (M, Ibar), readout(M, Ibar, prior, q_t, scale, return_variance)
 
-    tokens = (f32(q), f32(k), f32(v), f32(beta), f32(log_alpha), jnp.moveaxis(reset, 1, 0))
+    alpha = chunking.gates(log_alpha, reset)
+    tokens = (f32(q), f32(k), f32(v), f32(beta), jnp.moveaxis(alpha, 1, 0))
     (M, Ibar), (o, variance) = jax.lax.scan(step, (M0, Ibar0), tokens)
     variance = None if variance is None else jnp.moveaxis(variance, 0, 1)
     return jnp.moveaxis(o, 0, 1), variance, M, Ibar

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import chunking
-from kernels.palimpsa import chunk
+from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.palimpsa import chunk
 
 DEFAULT_BLOCK_V = 8
 DEFAULT_NUM_WARPS = 2
@@ -30,19 +30,26 @@ DEFAULT_BACKWARD_NUM_WARPS = 4
 TARGET_PROGRAMS = 1024
 
 
-def _tile(q_ref, v_ref, prior_ref, grid_axes: tuple[int, int], dk: int, dv: int):
-    """Masks of this program's (block_v, Dk') state tile and its head's prior.
+def _tile(q_ref, v_ref, prior_ref, tile_axis: int, dk: int, dv: int):
+    """Masks of this program's (block_v, Dk') state tile and the tile of its prior.
 
-    grid_axes: the grid axes of the head and of the v-tile. Returns k_mask (Dk',), v_mask
-    (block_v,), tile_mask (block_v, Dk'), prior (scalar) and the token index (C,).
+    tile_axis: the grid axis of the v-tile. Returns k_mask (Dk',), v_mask (block_v,),
+    tile_mask (block_v, Dk'), prior (block_v, Dk'; 1 outside the tile) and the token index (C,).
     """
-    head_axis, tile_axis = grid_axes
     _, chunk_size, dk_pad = q_ref.shape
     block_v = v_ref.shape[-1]
     k_mask = jnp.arange(dk_pad) < dk
     v_mask = pl.program_id(tile_axis) * block_v + jnp.arange(block_v) < dv
     tile_mask = v_mask[:, None] & k_mask[None, :]
-    return k_mask, v_mask, tile_mask, prior_ref[pl.program_id(head_axis)], jnp.arange(chunk_size)
+    prior = plgpu.load(prior_ref, mask=tile_mask, other=1.0)
+    return k_mask, v_mask, tile_mask, prior, jnp.arange(chunk_size)
+
+
+def _token_indices(chunk_size: int) -> list:
+    """The token indices 0..C-1 of a chunk as arrays of JAX's default integer type: Pallas
+    indexes refs with that type (int64 under jax_enable_x64), and one index of another type
+    breaks the lowering."""
+    return [jnp.asarray(i, dtype=int) for i in range(chunk_size)]
 
 
 def _load_row(ref, n, i, mask):
@@ -56,7 +63,7 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
     """One (split, b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
     num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
-    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (2, 3), dk, dv)
+    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, 3, dk, dv)
     M = plgpu.load(M0_ref, mask=tile_mask, other=0.0)
     Ibar = plgpu.load(Ibar0_ref, mask=tile_mask, other=0.0)
 
@@ -65,7 +72,7 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
         plgpu.store(M_bound_ref.at[n], M, mask=tile_mask)
         plgpu.store(Ibar_bound_ref.at[n], Ibar, mask=tile_mask)
         # Unrolled; every load of the chunk is issued before the recurrence needs it.
-        steps = list(map(jnp.int32, range(chunk_size)))  # array indices for interpret mode
+        steps = _token_indices(chunk_size)
         tokens = [(decay_ref[n, i], _load_row(q_ref, n, i, k_mask),
                    _load_row(k_ref, n, i, k_mask), _load_row(v_ref, n, i, v_mask),
                    _load_row(beta_ref, n, i, v_mask))
@@ -160,8 +167,8 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
 
     Args:
       chunks: (q, k, v, beta, log_alpha) in chunk layout, q, k: (N, B, H, C, Dk); v, beta:
-        (N, B, H, C, Dv); log_alpha: (N, B, H, C). prior: (H,) float32.
-      state: (M0, Ibar0), each (B, H, Dv, Dk) float32. reset: (N, B, 1, C) bool.
+        (N, B, H, C, Dv); log_alpha: (N, B, H, C). prior: (H, Dv, Dk) float32.
+      state: (M0, Ibar0), each (B, H, Dv, Dk) float32. reset: (N, B, H, C) bool.
       time_splits: S parallel splits of the chunks (a divisor of N); None picks one so that
         about TARGET_PROGRAMS programs run.
     Returns:
@@ -176,7 +183,6 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     entering = (jax.tree.map(lambda x: x[None], state) if splits == 1 else
                 _split_entering_states(chunks, state, reset, splits))
     decay = chunking.gates(log_alpha, reset)
-    prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
     per_split = num_chunks // splits
 
     token_spec = lambda width: pl.BlockSpec(
@@ -194,22 +200,21 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     out_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, chunk_size), jnp.float32)
     num_outputs = 2 if return_variance else 1
 
-    with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
-        outputs = pl.pallas_call(
-            functools.partial(_kernel if return_variance else _without_variance, scale=scale,
-                              dk=dk, dv=dv),
-            grid=(splits, batch, heads, v_tiles),
-            in_specs=[token_spec(dk_pad), token_spec(dk_pad), value_spec, value_spec,
-                      pl.BlockSpec((per_split, None, None, chunk_size),
-                                   lambda s, b, h, j: (s, b, h, 0)),
-                      pl.BlockSpec(prior_pad.shape, lambda s, b, h, j: (0,)),
-                      state_spec, state_spec],
-            out_specs=[column_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
-            out_shape=[out_shape] * num_outputs + [bound_shape] * 2 + [state_shape] * 2,
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name="palimpsa_forward",
-        )(q, k, v, beta, decay, prior_pad, *entering)
+    outputs = pl.pallas_call(
+        functools.partial(_kernel if return_variance else _without_variance, scale=scale,
+                          dk=dk, dv=dv),
+        grid=(splits, batch, heads, v_tiles),
+        in_specs=[token_spec(dk_pad), token_spec(dk_pad), value_spec, value_spec,
+                  pl.BlockSpec((per_split, None, None, chunk_size),
+                               lambda s, b, h, j: (s, b, h, 0)),
+                  pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
+                  state_spec, state_spec],
+        out_specs=[column_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
+        out_shape=[out_shape] * num_outputs + [bound_shape] * 2 + [state_shape] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="palimpsa_forward",
+    )(q, k, v, beta, decay, prior, *entering)
     out = tuple(jnp.swapaxes(x, -1, -2) for x in outputs[:num_outputs])  # (N, B, H, C, Dv)
     out = (out[0], out[1] if return_variance else None)
     M_bound, Ibar_bound, M_last, Ibar_last = outputs[num_outputs:]
@@ -226,18 +231,19 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
     token in reverse, the state cotangents (GM, GI) = (dL/dM_t, dL/dIbar_t) take the read-out's
     direct terms, give the inputs' gradients, and are decayed by alpha_t. dq and dk are partial
     sums over this v-tile; dv, dbeta and the per-row terms of dL/dalpha are gathered as
-    (block_v, C) columns and stored once per chunk; dL/dprior is summed over the tile at the end.
+    (block_v, C) columns and stored once per chunk; dL/dprior is accumulated element-wise and
+    stored once.
     """
     num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
-    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, (1, 2), dk, dv)
+    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, 2, dk, dv)
     column_mask = v_mask[:, None]
     row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
 
     def chunk(r, carry):
         GM, GI, d_prior = carry
         n = num_chunks - 1 - r
-        steps = list(map(jnp.int32, range(chunk_size)))
+        steps = _token_indices(chunk_size)
         tokens = [(decay_ref[n, i], _load_row(q_ref, n, i, k_mask),
                    _load_row(k_ref, n, i, k_mask), _load_row(v_ref, n, i, v_mask),
                    _load_row(beta_ref, n, i, v_mask), _load_row(d_o_ref, n, i, v_mask),
@@ -286,7 +292,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
                                         (GM, GI, jnp.zeros_like(GM)))
     plgpu.store(dM0_ref, GM, mask=tile_mask)
     plgpu.store(dIbar0_ref, GI, mask=tile_mask)
-    plgpu.store(d_prior_ref, jnp.sum(d_prior, axis=1), mask=v_mask)
+    plgpu.store(d_prior_ref, d_prior, mask=tile_mask)
 
 
 def _backward_without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
@@ -302,7 +308,6 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
     q, k, v, beta, log_alpha = chunks
     num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
     decay = chunking.gates(log_alpha, reset)
-    prior_pad = jnp.pad(prior, (0, pl.next_power_of_2(heads) - heads), constant_values=1.0)
     d_o, d_var = d_out
 
     token_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, dk_pad),
@@ -319,37 +324,36 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
                                 lambda b, h, j: (j, 0, b, h, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     variance = [d_var] if return_variance else []
-    with jax.enable_x64(False):  # the kernel indexes with int32 whatever the global setting
-        dq, dk_, dv_, dbeta, d_decay, d_prior, dM0, dIbar0 = pl.pallas_call(
-            functools.partial(_backward_kernel if return_variance else _backward_without_variance,
-                              scale=scale, dk=dk, dv=dv),
-            grid=(batch, heads, v_tiles),
-            in_specs=[token_spec, token_spec, value_spec, value_spec, decay_spec,
-                      pl.BlockSpec(prior_pad.shape, lambda b, h, j: (0,)), bound_spec, bound_spec,
-                      value_spec] + [value_spec] * len(variance) + [state_spec, state_spec],
-            out_specs=[partial_spec] * 2 + [column_spec] * 3
-                      + [pl.BlockSpec((None, None, block_v), lambda b, h, j: (b, h, j)),
-                         state_spec, state_spec],
-            out_shape=[f32(v_tiles, num_chunks, batch, heads, chunk_size, dk)] * 2
-                      + [f32(num_chunks, batch, heads, dv, chunk_size)] * 3
-                      + [f32(batch, heads, dv), f32(batch, heads, dv, dk), f32(batch, heads, dv, dk)],
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name="palimpsa_backward",
-        )(q, k, v, beta, decay, prior_pad, *boundary_states, d_o, *variance, *d_final_state)
+    dq, dk_, dv_, dbeta, d_decay, d_prior, dM0, dIbar0 = pl.pallas_call(
+        functools.partial(_backward_kernel if return_variance else _backward_without_variance,
+                          scale=scale, dk=dk, dv=dv),
+        grid=(batch, heads, v_tiles),
+        in_specs=[token_spec, token_spec, value_spec, value_spec, decay_spec,
+                  pl.BlockSpec((None, block_v, dk_pad), lambda b, h, j: (h, j, 0)),
+                  bound_spec, bound_spec,
+                  value_spec] + [value_spec] * len(variance) + [state_spec, state_spec],
+        out_specs=[partial_spec] * 2 + [column_spec] * 3
+                  + [state_spec] * 3,
+        out_shape=[f32(v_tiles, num_chunks, batch, heads, chunk_size, dk)] * 2
+                  + [f32(num_chunks, batch, heads, dv, chunk_size)] * 3
+                  + [f32(batch, heads, dv, dk)] * 3,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="palimpsa_backward",
+    )(q, k, v, beta, decay, prior, *boundary_states, d_o, *variance, *d_final_state)
     d_log_alpha = jnp.sum(d_decay, -2) * decay
     d_chunks = tuple(g.astype(x.dtype) for g, x in zip(
         (jnp.sum(dq, 0), jnp.sum(dk_, 0), jnp.swapaxes(dv_, -1, -2), jnp.swapaxes(dbeta, -1, -2),
          d_log_alpha), chunks))
-    return d_chunks, jnp.sum(d_prior, axis=(0, 2)), (dM0, dIbar0)
+    return d_chunks, jnp.sum(d_prior, axis=0), (dM0, dIbar0)
 
 
-def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-             return_variance: bool, chunk_size: int = 16, interpret: bool = False,
-             block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
-             time_splits: int | None = None, backward_block_v: int = DEFAULT_BLOCK_V,
-             backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
-    """Pallas GPU backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
+def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+                        return_variance: bool, chunk_size: int = 16, interpret: bool = False,
+                        block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
+                        time_splits: int | None = None, backward_block_v: int = DEFAULT_BLOCK_V,
+                        backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
+    """Pallas GPU backend; same arguments and returns as `palimpsa_reference`.
 
     Forward and backward are Pallas kernels under the shared chunked custom VJP; block_v,
     num_warps (and time_splits) tune the forward, backward_block_v and backward_num_warps the

@@ -12,8 +12,8 @@ Layout per program: q, k are (C, Dk') blocks, a token is a row; v, beta, the out
 that broadcasts against the (Dv', Dk') state; the gates alpha_t (resets zeroed) are a (1, C) row.
 Rows and columns of a token are picked and set with iota masks (select + reduction) on values
 loaded once per chunk, so the kernel has no dynamic offsets in the tiled (last two) dimensions;
-the only dynamic indexing is on the leading dimension of VMEM scratch. The prior is read from
-SMEM.
+the only dynamic indexing is on the leading dimension of VMEM scratch. The prior is a
+(Dv', Dk') block per head (1 in the padding).
 
 The forward writes o, the optional variance, the state entering every chunk (the residuals of the
 shared custom VJP of `kernels.palimpsa.chunk`) and the final state. The backward walks the chunks
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import chunking
-from kernels.palimpsa import chunk
+from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.palimpsa import chunk
 
 DEFAULT_CHUNK_SIZE = 128
 MAX_SUB_CHUNK = 32
@@ -104,7 +104,7 @@ def _forward_kernel(prior_ref, q_ref, k_ref, vT_ref, betaT_ref, alpha_ref, M0_re
     state = (M_scratch[...], Ibar_scratch[...])
     M_bound_ref[...] = state[0]
     Ibar_bound_ref[...] = state[1]
-    prior = prior_ref[pl.program_id(1)]
+    prior = prior_ref[...]
     q, k, vT, betaT, alphas = (ref[...] for ref in (q_ref, k_ref, vT_ref, betaT_ref, alpha_ref))
 
     def token(t, carry):
@@ -154,6 +154,7 @@ class _Layout:
         self.alpha = chunking.gates(log_alpha, reset)  # (N, B, H, C)
         self.inputs = (self.rows(q), self.rows(k), self.columns(v), self.columns(beta),
                        self.alpha[..., None, :])
+        self.prior_block = pl.BlockSpec((_SQ, self.dv_pad, self.dk_pad), lambda b, h, r: (h, 0, 0))
         last = self.num_chunks - 1
         chunk_of = (lambda r: last - r) if reverse else (lambda r: r)
         self._chunk_map = lambda b, h, r: (chunk_of(r), b, h, 0, 0)
@@ -166,9 +167,10 @@ class _Layout:
         """(N, B, H, C, Dv) -> float32 (N, B, H, Dv', C)."""
         return jnp.swapaxes(chunking.pad_axis(x.astype(_F32), -1, self.dv_pad), -1, -2)
 
-    def state(self, x):
-        """(..., Dv, Dk) -> (..., Dv', Dk')."""
-        return chunking.pad_axis(chunking.pad_axis(x, -1, self.dk_pad), -2, self.dv_pad)
+    def state(self, x, value: float = 0.0):
+        """(..., Dv, Dk) -> (..., Dv', Dk'), padded with `value`."""
+        x = chunking.pad_axis(x, -1, self.dk_pad, value)
+        return chunking.pad_axis(x, -2, self.dv_pad, value)
 
     def unstate(self, x):
         return x[..., :self.dv, :self.dk]
@@ -180,7 +182,7 @@ class _Layout:
     @property
     def input_specs(self):
         C, dk, dv = self.chunk_size, self.dk_pad, self.dv_pad
-        return [pl.BlockSpec(memory_space=pltpu.SMEM),  # prior (H,)
+        return [self.prior_block,  # (H, Dv', Dk')
                 self.per_chunk(C, dk), self.per_chunk(C, dk), self.per_chunk(dv, C),
                 self.per_chunk(dv, C), self.per_chunk(1, C)]
 
@@ -215,8 +217,8 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
 
     Args:
       chunks: (q, k, v, beta, log_alpha) in chunk layout, q, k: (N, B, H, C, Dk); v, beta:
-        (N, B, H, C, Dv); log_alpha: (N, B, H, C). prior: (H,) float32.
-      state: (M0, Ibar0), each (B, H, Dv, Dk) float32. reset: (N, B, 1, C) bool.
+        (N, B, H, C, Dv); log_alpha: (N, B, H, C). prior: (H, Dv, Dk) float32.
+      state: (M0, Ibar0), each (B, H, Dv, Dk) float32. reset: (N, B, H, C) bool.
       interpret: True (or `pltpu.InterpretParams`) runs the kernel in TPU interpret mode.
     Returns:
       (o, variance or None) in chunk layout (float32), the final (M, Ibar), and the states
@@ -239,7 +241,7 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
             scratch_shapes=[pltpu.VMEM((dv, dk), _F32)] * 2,
             interpret=interpret,
             name="palimpsa_forward_tpu",
-        )(prior, *layout.inputs, *(layout.state(x) for x in state))
+        )(layout.state(prior, 1.0), *layout.inputs, *(layout.state(x) for x in state))
     time_major = lambda x: jnp.swapaxes(x, -1, -2)[..., :layout.dv]  # (N, B, H, C, Dv)
     out = (time_major(outputs[0]), time_major(outputs[1]) if return_variance else None)
     M_bound, Ibar_bound, M_last, Ibar_last = map(layout.unstate, outputs[num_outputs:])
@@ -267,7 +269,7 @@ def _backward_kernel(prior_ref, q_ref, k_ref, vT_ref, betaT_ref, alpha_ref, M_bo
         GI_scratch[...] = dIbar_ref[...]
         d_prior_scratch[...] = jnp.zeros(d_prior_scratch.shape, _F32)
 
-    prior = prior_ref[pl.program_id(1)]
+    prior = prior_ref[...]
     q, k, vT, betaT, alphas, d_oT = (
         ref[...] for ref in (q_ref, k_ref, vT_ref, betaT_ref, alpha_ref, d_oT_ref))
     d_varT = None if d_varT_ref is None else d_varT_ref[...]
@@ -313,7 +315,7 @@ def _backward_kernel(prior_ref, q_ref, k_ref, vT_ref, betaT_ref, alpha_ref, M_bo
                 dq_t = dq_t + (2 * scale * scale) * q_t * jnp.sum(d_var * plasticity, axis=0,
                                                                   keepdims=True)
             d_precision = -plasticity * d_precision
-            d_prior = d_prior + jnp.sum(d_precision, axis=1, keepdims=True)
+            d_prior = d_prior + d_precision
             GI = GI + d_precision
             dq = _set_row(dq, t, dq_t)
             dk = _set_row(dk, t, jnp.sum(GM * v, axis=0, keepdims=True)
@@ -375,31 +377,30 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
             extra_in_specs=[layout.per_chunk(dv, dk)] * 2 + [layout.per_chunk(dv, C)]
                            * len(cotangents) + [layout.per_head(dv, dk)] * 2,
             out_specs=[layout.per_chunk(C, dk)] * 2 + [layout.per_chunk(dv, C)] * 2
-                      + [layout.per_chunk(1, C), layout.per_head(dv, 1)]
-                      + [layout.per_head(dv, dk)] * 2,
+                      + [layout.per_chunk(1, C)] + [layout.per_head(dv, dk)] * 3,
             out_shape=[layout.shape(N, B, H, C, dk)] * 2 + [layout.shape(N, B, H, dv, C)] * 2
-                      + [layout.shape(N, B, H, 1, C), layout.shape(B, H, dv, 1)]
-                      + [layout.shape(B, H, dv, dk)] * 2,
-            scratch_shapes=[pltpu.VMEM((dv, dk), _F32)] * 2 + [pltpu.VMEM((dv, 1), _F32)]
+                      + [layout.shape(N, B, H, 1, C)] + [layout.shape(B, H, dv, dk)] * 3,
+            scratch_shapes=[pltpu.VMEM((dv, dk), _F32)] * 3
                            + [pltpu.VMEM((C // S, dv, dk), _F32)] * 2
                            + [pltpu.VMEM((S + 1, dv, dk), _F32)] * 2,
             interpret=interpret,
             name="palimpsa_backward_tpu",
-        )(prior, *layout.inputs, *(layout.state(x) for x in boundary_states), *cotangents,
+        )(layout.state(prior, 1.0), *layout.inputs, *(layout.state(x) for x in boundary_states),
+          *cotangents,
           *(layout.state(x) for x in d_final_state))
     time_major = lambda x: jnp.swapaxes(x, -1, -2)[..., :layout.dv]
     d_log_alpha = d_alpha[..., 0, :] * layout.alpha
     grads = (dq[..., :layout.dk], dk_[..., :layout.dk], time_major(dv_), time_major(dbeta),
              d_log_alpha)
     d_chunks = tuple(g.astype(x.dtype) for g, x in zip(grads, chunks))
-    d_prior = jnp.sum(d_prior[:, :, :layout.dv, 0], axis=(0, 2))
+    d_prior = jnp.sum(layout.unstate(d_prior), axis=0)
     return d_chunks, d_prior, (layout.unstate(dM0), layout.unstate(dIbar0))
 
 
-def palimpsa(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-             return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE, interpret=False,
-             sub_chunk: int | None = None):
-    """Pallas TPU backend; same arguments and returns as `kernels.palimpsa.naive.palimpsa`.
+def palimpsa_pallas_tpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
+                        return_variance: bool, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                        interpret=False, sub_chunk: int | None = None):
+    """Pallas TPU backend; same arguments and returns as `palimpsa_reference`.
 
     Forward and backward are Mosaic kernels under the shared chunked custom VJP. Any positive
     chunk_size is valid (blocks span the whole chunk); 128 fills the lanes of the (Dv', C) blocks.

@@ -1,4 +1,4 @@
-"""Multi-query associative recall (MQAR), Zoology's `multiquery_ar` layout (SPEC section 5).
+"""Multi-query associative recall (MQAR), Zoology's `multiquery_ar` layout (README "MQAR").
 
 One example of length T with P pairs (V = vocab_size), e.g. T = 16, P = 3:
 
@@ -48,7 +48,7 @@ def check_int(name: str, value, minimum: int):
 
 
 def check_arguments(*, vocab_size, seq_len, num_pairs, power_a) -> None:
-    """Raises ValueError, naming the argument, unless the settings can generate an example."""
+    """Raises ValueError, naming the argument, unless the settings can make an example."""
     check_int("num_pairs", num_pairs, 1)
     check_int("vocab_size", vocab_size, 2 * num_pairs + 2)
     if vocab_size % 2:
@@ -64,7 +64,7 @@ def gap_distribution(space: int, power_a: float) -> np.ndarray:
     return p / p.sum()
 
 
-def generate(rng: np.random.Generator, *, vocab_size: int, seq_len: int, num_pairs: int,
+def mqar_example(rng: np.random.Generator, *, vocab_size: int, seq_len: int, num_pairs: int,
              power_a: float = 0.01) -> dict[str, np.ndarray]:
     """One example: {"tokens": int32 (seq_len,), "labels": int32 (seq_len,)} (layout above)."""
     check_arguments(vocab_size=vocab_size, seq_len=seq_len, num_pairs=num_pairs, power_a=power_a)

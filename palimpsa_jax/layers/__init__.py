@@ -8,6 +8,7 @@ continues from it, for a prefill of any length or single-token decoding.
 from palimpsa_jax.layers.attention import Attention, KVCache
 from palimpsa_jax.layers.common import (
     GatedRMSNorm,
+    LayerNorm,
     RecurrentCache,
     RMSNorm,
     ShortConv,
@@ -16,31 +17,44 @@ from palimpsa_jax.layers.common import (
     segments,
 )
 from palimpsa_jax.layers.delta import GatedDeltaNet, PalimpsaD, QKVMixer
+from palimpsa_jax.layers.init import Init
 from palimpsa_jax.layers.mamba2 import Mamba2, PalimpsaM
 from palimpsa_jax.layers.memory import (
+    BetaProjection,
     DeltaMemory,
-    KernelMemory,
     LinearMemory,
+    Memory,
     PalimpsaMemory,
+    Prior,
 )
+from palimpsa_jax.layers.registry import register_beta_rule, register_mixer
+from palimpsa_jax.layers.rule_mixer import RuleMemory, RuleMixer
 
 __all__ = [
     "Attention",
+    "BetaProjection",
     "DeltaMemory",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "Init",
     "KVCache",
-    "KernelMemory",
+    "LayerNorm",
     "LinearMemory",
     "Mamba2",
+    "Memory",
     "PalimpsaD",
     "PalimpsaM",
     "PalimpsaMemory",
+    "Prior",
     "QKVMixer",
     "RMSNorm",
     "RecurrentCache",
+    "RuleMemory",
+    "RuleMixer",
     "ShortConv",
     "SwiGLU",
+    "register_beta_rule",
+    "register_mixer",
     "rope",
     "segments",
 ]

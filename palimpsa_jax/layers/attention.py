@@ -1,13 +1,15 @@
 """Causal softmax attention with rotary positions (the Transformer++ mixer)."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from palimpsa_jax.layers.common import Array, linear, rope, segments
+from palimpsa_jax.layers.common import Array, rope, segments
+from palimpsa_jax.layers.init import DEFAULT_INIT, Init, linear
 
 
 class KVCache(NamedTuple):
@@ -37,13 +39,13 @@ class Attention(nnx.Module):
     q and k at in-segment positions. H heads of head_dim D; no biases."""
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float = 10000.0,
-                 dtype=None, rngs: nnx.Rngs):
+                 init: Init = DEFAULT_INIT, dtype=None, rngs: nnx.Rngs):
         self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
         inner = num_heads * head_dim
-        self.W_q = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
-        self.W_k = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
-        self.W_v = linear(d_model, inner, ("embed", "heads"), rngs, dtype=dtype)
-        self.W_o = linear(inner, d_model, ("heads", "embed"), rngs, dtype=dtype)
+        to_heads = functools.partial(linear, d_model, inner, ("embed", "heads"), rngs,
+                                     std=init.std, dtype=dtype)
+        self.W_q, self.W_k, self.W_v = to_heads(), to_heads(), to_heads()
+        self.W_o = linear(inner, d_model, ("heads", "embed"), rngs, std=init.std, dtype=dtype)
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, max_length, self.num_heads, self.head_dim)

@@ -3,6 +3,8 @@ step and a gated RMSNorm on the output. They share `QKVMixer`; each adds its own
 memory. Call contract: see `palimpsa_jax.layers`."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,15 +14,11 @@ from palimpsa_jax.layers.common import (
     GatedRMSNorm,
     RecurrentCache,
     ShortConv,
-    decay_rate_log,
-    init,
     l2_normalize,
-    linear,
-    param,
     segments,
-    time_step_bias,
 )
-from palimpsa_jax.layers.memory import DeltaMemory, PalimpsaMemory
+from palimpsa_jax.layers.init import DEFAULT_INIT, Init, forget_gates, initializers, linear, param
+from palimpsa_jax.layers.memory import DeltaMemory, palimpsa_memory, remember
 
 
 class QKVMixer(nnx.Module):
@@ -31,22 +29,20 @@ class QKVMixer(nnx.Module):
     segment_ids) -> (o (B, T, H, Dv), state)`."""
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, expand_v: int,
-                 conv_size: int = 4, norm_eps: float = 1e-5, dt_min: float = 1e-3,
-                 dt_max: float = 1e-1, dt_floor: float = 1e-4, dtype=None, rngs: nnx.Rngs):
+                 conv_size: int = 4, norm_eps: float = 1e-5, init: Init = DEFAULT_INIT, dtype=None,
+                 rngs: nnx.Rngs):
         self.num_heads, self.dk, self.dv = num_heads, head_dim, expand_v * head_dim
         key_dim, value_dim = num_heads * self.dk, num_heads * self.dv
-        to_heads = ("embed", "heads")
-        self.W_q = linear(d_model, key_dim, to_heads, rngs, dtype=dtype)
-        self.W_k = linear(d_model, key_dim, to_heads, rngs, dtype=dtype)
-        self.W_v = linear(d_model, value_dim, to_heads, rngs, dtype=dtype)
-        self.W_g = linear(d_model, value_dim, to_heads, rngs, dtype=dtype)
-        self.W_dt = linear(d_model, num_heads, to_heads, rngs, dtype=dtype)
-        self.W_o = linear(value_dim, d_model, ("heads", "embed"), rngs, dtype=dtype)
-        self.conv_q = ShortConv(key_dim, conv_size, rngs=rngs)
-        self.conv_k = ShortConv(key_dim, conv_size, rngs=rngs)
-        self.conv_v = ShortConv(value_dim, conv_size, rngs=rngs)
-        self.dt_bias = time_step_bias(num_heads, rngs, dt_min=dt_min, dt_max=dt_max, dt_floor=dt_floor)
-        self.A_log = decay_rate_log(num_heads, rngs)
+        dense = functools.partial(linear, rngs=rngs, std=init.std, dtype=dtype)
+        self.W_q = dense(d_model, key_dim, ("embed", "heads"))
+        self.W_k = dense(d_model, key_dim, ("embed", "heads"))
+        self.W_v = dense(d_model, value_dim, ("embed", "heads"))
+        self.W_g = dense(d_model, value_dim, ("embed", "heads"))
+        self.W_dt = dense(d_model, num_heads, ("embed", "heads"))
+        self.W_o = dense(value_dim, d_model, ("heads", "embed"))
+        conv = functools.partial(ShortConv, width=conv_size, std=init.conv_std, rngs=rngs)
+        self.conv_q, self.conv_k, self.conv_v = conv(key_dim), conv(key_dim), conv(value_dim)
+        self.A_log, self.dt_bias = forget_gates(num_heads, rngs, init)
         self.norm = GatedRMSNorm(value_dim, self.dv, norm_before_gate=True, eps=norm_eps, rngs=rngs)
 
     def init_cache(self, batch: int, max_length: int | None = None, dtype=jnp.float32
@@ -74,45 +70,50 @@ class QKVMixer(nnx.Module):
 
 
 class PalimpsaD(QKVMixer):
-    """Palimpsa-D (SPEC section 3), a drop-in for a Gated DeltaNet layer.
+    """Palimpsa-D (arXiv 2602.09075), a drop-in for a Gated DeltaNet layer.
 
     s = sigmoid(W_s x) (B, T, H) gates the value entering the memory, v = s x_v, and the
-    precision beta = sigmoid(W_b2 W_b1 x) softplus(b_scale) s; o = palimpsa(q, k, v, beta,
-    log_alpha, I_prior) + D x_v. Dk = head_dim, Dv = expand_v head_dim, scale Dk^-1/2.
-    metaplasticity=False: the non-metaplastic baseline o = S q / I_prior on `gla_attention`.
+    precision beta = sigmoid(W_b2 W_b1 x) softplus(b_scale) s (`beta`, a BetaProjection);
+    o = palimpsa(q, k, v, beta, log_alpha, I_prior) + D x_v. Dk = head_dim, Dv = expand_v
+    head_dim, scale Dk^-1/2. The prior (`memory.prior`) is one per head, per value row or per
+    synapse (prior_family), fixed or learned. metaplasticity=False: no beta projection, the
+    non-metaplastic baseline o = S q / I_prior on `gla_attention`.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, expand_v: int = 1,
                  beta_rank: int = 32, metaplasticity: bool = True, learn_prior: bool = False,
-                 backend: str = "auto", chunk_size: int | None = None, dtype=None,
+                 prior_family: str = "head", beta_rule: str = "low_rank", backend: str = "auto",
+                 chunk_size: int | None = None, init: Init = DEFAULT_INIT, dtype=None,
                  rngs: nnx.Rngs, **backbone):
-        super().__init__(d_model, num_heads, head_dim, expand_v=expand_v, dtype=dtype, rngs=rngs,
-                         **backbone)
-        self.W_s = linear(d_model, num_heads, ("embed", "heads"), rngs, dtype=dtype)
-        self.D = param(init.ones_init(), (num_heads,), ("heads",), rngs, weight_decay=False)
-        self.memory = PalimpsaMemory(
-            d_model, num_heads, self.dv, beta_rank=beta_rank, metaplasticity=metaplasticity,
-            learn_prior=learn_prior, backend=backend, chunk_size=chunk_size, dtype=dtype, rngs=rngs)
+        super().__init__(d_model, num_heads, head_dim, expand_v=expand_v, init=init, dtype=dtype,
+                         rngs=rngs, **backbone)
+        self.W_s = linear(d_model, num_heads, ("embed", "heads"), rngs, std=init.std, dtype=dtype)
+        self.D = param(initializers.ones_init(), (num_heads,), ("heads",), rngs, weight_decay=False)
+        self.beta, self.memory = palimpsa_memory(
+            d_model, num_heads, self.dv, self.dk, metaplasticity=metaplasticity,
+            beta_rank=beta_rank, prior_family=prior_family, learn_prior=learn_prior,
+            std=init.std, backend=backend, chunk_size=chunk_size, dtype=dtype, rngs=rngs,
+            beta_rule=beta_rule)
 
     def _memory(self, x, q, k, x_v, log_alpha, state, segment_ids):
         s = jax.nn.sigmoid(self.W_s(x).astype(jnp.float32))
         v = (s[..., None] * x_v).astype(x_v.dtype)
-        o, state = self.memory(q, k, v, log_alpha, hidden=x, input_gate=s, state=state,
-                               segment_ids=segment_ids)
+        o, state = remember(self.beta, self.memory, q, k, v, log_alpha, hidden=x, input_gate=s,
+                            state=state, segment_ids=segment_ids)
         return o + self.D[...][:, None] * x_v, state
 
 
 class GatedDeltaNet(QKVMixer):
-    """Gated DeltaNet (SPEC section 2): S_t = alpha_t S_{t-1} (Id - beta_t k_t k_tᵀ)
-    + beta_t v_t k_tᵀ with beta = sigmoid(W_b x) (B, T, H) and log_alpha = -exp(A_log) dt
-    (W_dt is the paper's W_a). State S (B, H, Dv, Dk) float32."""
+    """Gated DeltaNet: S_t = alpha_t S_{t-1} (Id - beta_t k_t k_tᵀ) + beta_t v_t k_tᵀ with
+    beta = sigmoid(W_b x) (B, T, H) and log_alpha = -exp(A_log) dt (W_dt is the paper's W_a).
+    State S (B, H, Dv, Dk) float32."""
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, expand_v: int = 2,
-                 backend: str = "auto", chunk_size: int | None = None, dtype=None,
-                 rngs: nnx.Rngs, **backbone):
-        super().__init__(d_model, num_heads, head_dim, expand_v=expand_v, dtype=dtype, rngs=rngs,
-                         **backbone)
-        self.W_b = linear(d_model, num_heads, ("embed", "heads"), rngs, dtype=dtype)
+                 backend: str = "auto", chunk_size: int | None = None, init: Init = DEFAULT_INIT,
+                 dtype=None, rngs: nnx.Rngs, **backbone):
+        super().__init__(d_model, num_heads, head_dim, expand_v=expand_v, init=init, dtype=dtype,
+                         rngs=rngs, **backbone)
+        self.W_b = linear(d_model, num_heads, ("embed", "heads"), rngs, std=init.std, dtype=dtype)
         self.memory = DeltaMemory(backend=backend, chunk_size=chunk_size)
 
     def _memory(self, x, q, k, x_v, log_alpha, state, segment_ids):

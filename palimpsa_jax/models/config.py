@@ -6,22 +6,39 @@ import math
 
 import jax.numpy as jnp
 
+from palimpsa_jax.kernels import rules
+from palimpsa_jax.layers import registry
+from palimpsa_jax.layers.init import Init
+from palimpsa_jax.layers.memory import PRIOR_FAMILIES
+
 MIXER_NAMES = ("palimpsa_d", "palimpsa_m", "mamba2", "gated_deltanet", "attention")
 BACKENDS = ("auto", "reference", "xla")   # those of every kernel; "auto" = best per kernel
+FINAL_NORMS = ("rmsnorm", "layernorm")
+RULE_PREFIX = "rule_"     # "rule_<name>": kernels.rules.RULES[name] as a layer
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A causal language model: embedding, n_layers blocks, final RMSNorm, head.
+    """A causal language model: embedding, n_layers blocks, final norm, head.
 
-    mixers: mixer names (MIXER_NAMES) repeated as a pattern over the n_layers layers, e.g.
-      ("palimpsa_d",) for all layers or ("mamba2", "mamba2", "palimpsa_m") for a hybrid.
+    mixers: mixer names repeated as a pattern over the n_layers layers, e.g. ("palimpsa_d",)
+      for all layers or ("mamba2", "mamba2", "palimpsa_m") for a hybrid: the built-in
+      MIXER_NAMES, "rule_<name>" (any rule of `kernels.rules.RULES` as a layer), a name an
+      experiment registered (`layers.register_mixer`) or "module:attribute".
     num_heads, head_dim, expand_v: heads of palimpsa_d / gated_deltanet (Dk = head_dim,
       Dv = expand_v head_dim) and attention (num_heads x head_dim).
     ssm_*: mamba2 / palimpsa_m (d_inner = ssm_expand d_model in heads of ssm_head_dim = Dv,
       B and C of ssm_state = Dk in ssm_groups groups).
-    beta_rank, metaplasticity, learn_prior: the Palimpsa memory (palimpsa_d, palimpsa_m).
+    beta_rank, metaplasticity, learn_prior, prior_family, beta_rule: the Palimpsa memory
+      (palimpsa_d, palimpsa_m); prior_family "head" (H,), "row" (H, Dv) or "synapse"
+      (H, Dv, Dk); beta_rule "low_rank" (the paper's) or a registered / "module:attribute" one.
+    ssm_bias, ssm_conv_bias: biases of the Mamba2 in/out projections and of its convolution.
     mlp_hidden: SwiGLU width of every block's MLP; 0 = no MLP.
+    final_norm: "rmsnorm" or "layernorm" before the head.
+    forget_init, a_min, a_max, dt_min, dt_max, dt_floor, init_std, conv_init_std: the
+      initialisation of every mixer (`palimpsa_jax.layers.Init`: the forget gates "mamba2"
+      (random, the language-model default) or "ramp" (the authors' MQAR init), the std of
+      Linear kernels and the embedding, of the short convolutions (None: PyTorch's uniform)).
     backend, chunk_size: kernel backend of the recurrent mixers (BACKENDS) and tokens per chunk
       (None: each kernel's default).
     dtype: computation dtype (parameters are float32).
@@ -37,17 +54,30 @@ class ModelConfig:
     beta_rank: int = 32
     metaplasticity: bool = True
     learn_prior: bool = False
+    prior_family: str = "head"
+    beta_rule: str = "low_rank"
     ssm_state: int = 128
     ssm_groups: int = 1
     ssm_expand: int = 2
     ssm_head_dim: int = 64
+    ssm_bias: bool = False
+    ssm_conv_bias: bool = True
     mlp_hidden: int = 0
     tie_embeddings: bool = True
+    final_norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     backend: str = "auto"
     chunk_size: int | None = None
     dtype: str = "float32"
+    forget_init: str = "mamba2"
+    a_min: float = 1.0
+    a_max: float = 16.0
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    dt_floor: float = 1e-4
+    init_std: float = 0.02
+    conv_init_std: float | None = None
 
     def __post_init__(self):
         if isinstance(self.mixers, str):
@@ -69,7 +99,7 @@ class ModelConfig:
             raise ValueError(f"chunk_size must be a positive integer or None, got {self.chunk_size!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("metaplasticity", "learn_prior", "tie_embeddings"):
+        for name in ("metaplasticity", "learn_prior", "tie_embeddings", "ssm_bias", "ssm_conv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         try:
@@ -78,9 +108,20 @@ class ModelConfig:
             floating = False
         if not floating:
             raise ValueError(f"dtype must name a floating dtype, got {self.dtype!r}")
-        unknown = [m for m in self.mixers if m not in MIXER_NAMES]
-        if not self.mixers or unknown:
-            raise ValueError(f"mixers must be names from {MIXER_NAMES}, got {self.mixers!r}")
+        if self.final_norm not in FINAL_NORMS:
+            raise ValueError(f"final_norm must be one of {FINAL_NORMS}, got {self.final_norm!r}")
+        if self.prior_family not in PRIOR_FAMILIES:
+            raise ValueError(f"prior_family must be one of {PRIOR_FAMILIES}, got "
+                             f"{self.prior_family!r}")
+        if self.prior_family == "synapse" and not self.metaplasticity:
+            raise ValueError("prior_family 'synapse' needs metaplasticity (without it the "
+                             "read-out divides each output row by one prior)")
+        _ = self.init   # constructing the Init checks its fields
+        if not self.mixers:
+            raise ValueError("mixers must name at least one mixer")
+        for name in self.mixers:
+            check_mixer(name)
+        registry.resolve(registry.BETA_RULES, "beta_rule", self.beta_rule)
         if self.n_layers % len(self.mixers):
             raise ValueError(f"n_layers ({self.n_layers}) must be a multiple of the length of the "
                              f"mixers pattern ({len(self.mixers)})")
@@ -101,11 +142,33 @@ class ModelConfig:
         return self.mixers * (self.n_layers // len(self.mixers))
 
     @property
+    def init(self) -> Init:
+        """The initialisation of the mixers."""
+        return Init(forget=self.forget_init, a_min=self.a_min, a_max=self.a_max,
+                    dt_min=self.dt_min, dt_max=self.dt_max, dt_floor=self.dt_floor,
+                    std=self.init_std, conv_std=self.conv_init_std)
+
+    @property
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_mixer(name: str) -> None:
+    """ValueError naming `mixers` unless `name` is a built-in, rule or registered mixer."""
+    if name in MIXER_NAMES:
+        return
+    if name.startswith(RULE_PREFIX):
+        if name[len(RULE_PREFIX):] not in rules.RULES:
+            raise ValueError(f"mixers: {name!r} names no rule of kernels.rules.RULES "
+                             f"({sorted(rules.RULES)})")
+        return
+    try:
+        registry.resolve(registry.MIXERS, "mixer", name)
+    except ValueError as e:
+        raise ValueError(f"mixers: {e} (built in: {MIXER_NAMES}, or rule_<name>)") from None
 
 
 def swiglu_hidden(d_model: int, ratio: float = 8 / 3, multiple: int = 256) -> int:

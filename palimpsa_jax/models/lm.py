@@ -1,5 +1,5 @@
 """The causal language model: embedding, blocks `x + Mixer(RMSNorm(x))` then
-`x + MLP(RMSNorm(x))` (MLP optional), final RMSNorm, tied or untied head."""
+`x + MLP(RMSNorm(x))` (MLP optional), final RMSNorm or LayerNorm, tied or untied head."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,31 +11,37 @@ from flax import nnx
 from palimpsa_jax.layers import (
     Attention,
     GatedDeltaNet,
+    LayerNorm,
     Mamba2,
     PalimpsaD,
     PalimpsaM,
     RMSNorm,
+    RuleMixer,
     SwiGLU,
+    registry,
 )
-from palimpsa_jax.layers.common import init
-from palimpsa_jax.models.config import ModelConfig
+from palimpsa_jax.layers.common import embedding_lookup
+from palimpsa_jax.layers.init import initializers
+from palimpsa_jax.models.config import RULE_PREFIX, ModelConfig
 
 Array = jax.Array
 
 
 def _palimpsa(c: ModelConfig) -> dict:
     return {"beta_rank": c.beta_rank, "metaplasticity": c.metaplasticity,
-            "learn_prior": c.learn_prior}
+            "learn_prior": c.learn_prior, "prior_family": c.prior_family,
+            "beta_rule": c.beta_rule}
 
 
 def _recurrent(c: ModelConfig) -> dict:
     return {"conv_size": c.conv_size, "norm_eps": c.norm_eps, "backend": c.backend,
-            "chunk_size": c.chunk_size}
+            "chunk_size": c.chunk_size, "init": c.init}
 
 
 def _ssm(c: ModelConfig) -> dict:
     return {"d_state": c.ssm_state, "n_groups": c.ssm_groups, "expand": c.ssm_expand,
-            "head_dim": c.ssm_head_dim, **_recurrent(c)}
+            "head_dim": c.ssm_head_dim, "bias": c.ssm_bias, "conv_bias": c.ssm_conv_bias,
+            **_recurrent(c)}
 
 
 MIXERS: dict[str, Callable[..., nnx.Module]] = {
@@ -46,8 +52,22 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "mamba2": lambda c, **kw: Mamba2(c.d_model, **_ssm(c), **kw),
     "palimpsa_m": lambda c, **kw: PalimpsaM(c.d_model, **_palimpsa(c), **_ssm(c), **kw),
     "attention": lambda c, **kw: Attention(c.d_model, c.num_heads, c.head_dim,
-                                           rope_theta=c.rope_theta, **kw),
+                                           rope_theta=c.rope_theta, init=c.init, **kw),
 }
+
+
+def mixer_factory(name: str) -> Callable[..., nnx.Module]:
+    """factory(config, *, dtype, rngs) of a mixer name: built in (MIXERS), "rule_<name>"
+    (`layers.RuleMixer` around kernels.rules.RULES[name]), registered or "module:attribute"."""
+    if name in MIXERS:
+        return MIXERS[name]
+    if name.startswith(RULE_PREFIX):
+        return lambda c, **kw: RuleMixer(c.d_model, c.num_heads, c.head_dim,
+                                         rule=name[len(RULE_PREFIX):], expand_v=c.expand_v,
+                                         beta_rank=c.beta_rank, learn_prior=c.learn_prior,
+                                         conv_size=c.conv_size, norm_eps=c.norm_eps,
+                                         init=c.init, **kw)
+    return registry.resolve(registry.MIXERS, "mixer", name)
 
 
 class Block(nnx.Module):
@@ -56,10 +76,11 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, mixer: str, *, rngs: nnx.Rngs):
         dtype = config.compute_dtype
         self.mixer_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
-        self.mixer = MIXERS[mixer](config, dtype=dtype, rngs=rngs)
+        self.mixer = mixer_factory(mixer)(config, dtype=dtype, rngs=rngs)
         if config.mlp_hidden:
             self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
-            self.mlp = SwiGLU(config.d_model, config.mlp_hidden, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLU(config.d_model, config.mlp_hidden, std=config.init_std, dtype=dtype,
+                              rngs=rngs)
         else:
             self.mlp_norm = self.mlp = None
 
@@ -84,15 +105,16 @@ class CausalLM(nnx.Module):
         dtype = config.compute_dtype
         self.embed = nnx.Embed(
             config.vocab_size, config.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-            embedding_init=nnx.with_partitioning(init.normal(0.02), ("vocab", "embed"),
-                                                 eager_sharding=False))
+            embedding_init=nnx.with_partitioning(initializers.normal(config.init_std),
+                                                 ("vocab", "embed"), eager_sharding=False))
         self.blocks = nnx.List([Block(config, mixer, rngs=rngs) for mixer in config.layer_mixers])
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps, rngs=rngs)
+        final_norm = RMSNorm if config.final_norm == "rmsnorm" else LayerNorm
+        self.norm = final_norm(config.d_model, eps=config.norm_eps, rngs=rngs)
         self.head = None if config.tie_embeddings else nnx.Linear(
             config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
             param_dtype=jnp.float32, rngs=rngs,
-            kernel_init=nnx.with_partitioning(init.normal(0.02), ("embed", "vocab"),
-                                              eager_sharding=False))
+            kernel_init=nnx.with_partitioning(initializers.normal(config.init_std),
+                                              ("embed", "vocab"), eager_sharding=False))
 
     def init_cache(self, batch: int, max_length: int, dtype=None) -> tuple:
         """Per-layer caches for up to max_length tokens in total (the attention layers' key-value
@@ -102,7 +124,7 @@ class CausalLM(nnx.Module):
         return tuple(block.mixer.init_cache(batch, max_length, dtype) for block in self.blocks)
 
     def __call__(self, tokens: Array, *, segment_ids: Array | None = None, cache: tuple | None = None):
-        x = self.embed(tokens)
+        x = embedding_lookup(self.embed.embedding[...], tokens).astype(self.config.compute_dtype)
         caches = (None,) * len(self.blocks) if cache is None else cache
         new_caches = []
         for block, layer_cache in zip(self.blocks, caches):

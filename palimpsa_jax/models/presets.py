@@ -1,5 +1,5 @@
 """Named model configurations: the language models of the paper (170M, 340M, 760M; Llama-2
-vocabulary, tied embeddings) and the tiny MQAR models of SPEC section 5.
+vocabulary, tied embeddings) and the tiny MQAR models of README "MQAR".
 
 Parameter counts (trainable, embeddings included; `count_params`):
 

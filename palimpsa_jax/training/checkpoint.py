@@ -47,7 +47,7 @@ class Checkpoints:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+        except Exception as e:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} could not be restored "
                                   f"({type(e).__name__}: {e})") from e
         return step, restored.state, restored.data

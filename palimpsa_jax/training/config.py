@@ -2,8 +2,9 @@
 
 Sections (every key is documented in `base_config`): model (the fields of `ModelConfig`), data,
 batch_size, train, optim, mesh, sharding, checkpoint, log, eval. Experiment files
-(`experiments/**.py`) start from `base_config()` or `mqar_config()` and set what differs.
-`check_config` validates a config before anything is compiled, with errors naming the key.
+(`experiments/**.py`) start from `base_config()` and set every value that differs; the library
+holds only defaults and checks. `check_config` validates a config before anything is compiled,
+raising `ConfigError` (a ValueError) whose message names the key.
 """
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ import typing
 import ml_collections
 
 from palimpsa_jax import sharding
-from palimpsa_jax.models import ModelConfig, preset
+from palimpsa_jax.models import ModelConfig
 
 SCHEDULES = ("cosine", "linear", "constant")
 DATA_KINDS = ("mqar", "text")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key. The command line reports it
+    in one line."""
 
 
 def model_fields(config: ModelConfig) -> ml_collections.ConfigDict:
@@ -35,13 +41,15 @@ def model_fields(config: ModelConfig) -> ml_collections.ConfigDict:
 def base_config() -> ml_collections.ConfigDict:
     """Every key with its default. `model` and `data` are filled in by the experiment."""
     c = ml_collections.ConfigDict()
-    c.seed = 0                       # parameter initialisation
+    c.seed = 0                       # parameter initialisation and training data order
     c.model = ml_collections.ConfigDict()
     c.data = ml_collections.ConfigDict()
     c.batch_size = 32                # global batch (sequences per optimiser step)
     c.train = ml_collections.ConfigDict(dict(
         steps=1000,                  # optimiser steps
         grad_accum=1,                # micro-batches per step (batch_size / grad_accum each)
+        early_stop_accuracy=ml_collections.FieldReference(None, field_type=float),
+                                     # stop after an evaluation with eval/accuracy above this
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-3,                     # peak learning rate
@@ -49,9 +57,11 @@ def base_config() -> ml_collections.ConfigDict:
                                      # peak LR of W_b1, W_b2, b_scale, Ip_log (None: lr)
         warmup_steps=100,
         schedule="cosine",           # after warmup: cosine | linear (to min_lr_ratio lr) | constant
+        schedule_every_steps=1,      # the LR changes every this many steps (e.g. once an epoch)
         min_lr_ratio=0.0,
         b1=0.9, b2=0.95, eps=1e-8,
         weight_decay=0.1,            # AdamW, not on norms, biases, A_log, dt_bias, D, b_scale, Ip_log
+        decay_every_parameter=False, # True: weight decay on every parameter (PyTorch's AdamW)
         clip_norm=1.0,               # global gradient norm clipping (0: off)
     ))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))   # -1: remaining devices
@@ -70,46 +80,6 @@ def base_config() -> ml_collections.ConfigDict:
         every_steps=200,             # also at the last step (0: only at the end)
         batch_size=64,
     ))
-    return c
-
-
-def mqar_config(mixer: str, arg: str | None = None, **model_changes) -> ml_collections.ConfigDict:
-    """MQAR (SPEC section 5) with the mixer's MQAR preset (d_model 128, 2 layers, no MLP).
-
-    arg None / "": the small CPU variant (sequence 64, 4 pairs, vocabulary 128, 400 steps of 64
-    sequences; evaluated on sequences of 64 / 4 pairs and, beyond the training length, 128 / 8).
-    "paper": the paper's setting at sequence 512 with 128 pairs (vocabulary
-    8192, 100k train / 3k test examples, batch 128, 64 epochs); the paper's other setting is
-    `--config.data.seq_len=1024 --config.data.num_pairs=256 --config.batch_size=64`.
-    """
-    c = base_config()
-    if arg in (None, ""):
-        # chunks of 16: the chunked XLA kernels run about twice as fast on CPUs as with 64
-        c.model = model_fields(preset(f"mqar-{mixer}", **{"vocab_size": 128, "chunk_size": 16,
-                                                          **model_changes}))
-        c.data = ml_collections.ConfigDict(dict(
-            kind="mqar", vocab_size=c.model.vocab_size, seq_len=64, num_pairs=4,
-            num_train=100_000, num_test=1_000, power_a=0.01, seed=0,
-            eval_slices=((64, 4), (128, 8))))
-        c.batch_size = 64
-        c.train.steps = 400
-        c.optim.update(lr=1e-2, warmup_steps=50, weight_decay=0.1, b2=0.999)
-        c.checkpoint.every_steps = 100
-        c.log.update(every_steps=10, diagnostics_every_steps=100)
-        c.eval.update(every_steps=200, batch_size=200)
-    elif arg == "paper":
-        c.model = model_fields(preset(f"mqar-{mixer}", **model_changes))
-        c.data = ml_collections.ConfigDict(dict(
-            kind="mqar", vocab_size=8192, seq_len=512, num_pairs=128, num_train=100_000,
-            num_test=3_000, power_a=0.01, seed=0, eval_slices=()))
-        c.batch_size = 128
-        c.train.steps = 64 * 100_000 // 128          # 64 epochs
-        c.optim.update(lr=3e-3, warmup_steps=500, weight_decay=0.1, b2=0.999)
-        c.checkpoint.every_steps = 2000
-        c.log.update(every_steps=50, diagnostics_every_steps=1000)
-        c.eval.update(every_steps=2000, batch_size=250)
-    else:
-        raise ValueError(f"config argument must be empty or 'paper', got {arg!r}")
     return c
 
 
@@ -145,11 +115,18 @@ def _get(c, key: str):
     return c
 
 
-def check_config(c: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
-    """Validates the whole config (before anything is built) and returns the ModelConfig.
+def check_config(c: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> ModelConfig:
+    """Validates the whole config against a mesh of `mesh_shape` (axis -> size) before anything
+    is built, and returns the ModelConfig. Raises ConfigError naming the offending key."""
+    try:
+        return _check_config(c, mesh_shape)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
-    Raises ValueError naming the offending key.
-    """
+
+def _check_config(c, mesh_shape: dict[str, int]) -> ModelConfig:
     try:
         model = ModelConfig(**c.model.to_dict())
     except (TypeError, ValueError) as e:
@@ -160,6 +137,13 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
     for key in ("optim.warmup_steps", "checkpoint.every_steps", "log.diagnostics_every_steps",
                 "eval.every_steps"):
         _positive_int(c, key, allow_zero=True)
+    _positive_int(c, "optim.schedule_every_steps")
+    if c.optim.warmup_steps > c.train.steps:
+        raise ValueError(f"optim.warmup_steps ({c.optim.warmup_steps}) must not exceed "
+                         f"train.steps ({c.train.steps})")
+    stop_at = c.train.early_stop_accuracy
+    if stop_at is not None and not 0 < stop_at <= 1:
+        raise ValueError(f"train.early_stop_accuracy must be in (0, 1] or None, got {stop_at!r}")
     o = c.optim
     if not o.lr > 0:
         raise ValueError(f"optim.lr must be > 0, got {o.lr!r}")
@@ -173,17 +157,17 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
     for key in ("eps", "weight_decay", "clip_norm"):
         if not o[key] >= 0:
             raise ValueError(f"optim.{key} must be >= 0, got {o[key]!r}")
-    mesh = sharding.make_mesh(c.mesh.to_dict(), devices=range(num_devices))
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    mesh = {axis: mesh_shape.get(axis, 1) for axis in sharding.MESH_AXES}
+    batch_devices = mesh["data"] * mesh["fsdp"]
     if c.batch_size % (batch_devices * c.train.grad_accum):
         raise ValueError(f"batch_size ({c.batch_size}) must be divisible by mesh.data x mesh.fsdp "
-                         f"x train.grad_accum ({mesh.shape['data']} x {mesh.shape['fsdp']} x "
+                         f"x train.grad_accum ({mesh['data']} x {mesh['fsdp']} x "
                          f"{c.train.grad_accum})")
     if c.eval.batch_size % batch_devices:
         raise ValueError(f"eval.batch_size ({c.eval.batch_size}) must be divisible by mesh.data x "
                          f"mesh.fsdp ({batch_devices})")
     rules = [tuple(r) for r in c.sharding.rules]
-    sharding.check_rules(rules, mesh)
+    sharding.check_rules(rules, tuple(mesh))
     _check_heads(model, mesh, rules)
     _check_data(c.data, model)
     return model

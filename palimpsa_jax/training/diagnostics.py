@@ -1,49 +1,80 @@
-"""Metaplasticity diagnostics of a model on one batch, per layer and head (SPEC sections 1, 3):
-the importance I of the memory after the batch (mean, min, max over sequences and synapses), the
-memory window N = 1 / (1 - alpha) averaged over tokens, and softplus(b_scale)."""
+"""Metaplasticity diagnostics of a model on one batch, per layer and head, from the memory probe
+(`palimpsa_jax.analysis.probe`): the memory window N = 1 / (1 - alpha) (median over tokens), the
+importance I of the memory after the batch (mean, min, max over sequences and synapses), its
+ratio to the prior (minimum, the metaplasticity ratio q90/q10, and a histogram of log10(I /
+prior) per layer) and softplus(b_scale); and the histogram of each layer's prior."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from palimpsa_jax.analysis import measures, probe
+from palimpsa_jax.analysis.posterior import final_posterior
+
 Array = jax.Array
+# log10(I / prior) from 0 (the prior) to 4; importance never falls below the prior
+RATIO_EDGES = jnp.linspace(0.0, 4.0, 41)
+HISTOGRAMS = "histogram/"     # keys of histogram counts (not per-head scalars)
 
 
 def metaplasticity(model: nnx.Module, tokens: Array, segment_ids: Array | None = None
                    ) -> dict[str, Array]:
     """{"layer_03/importance_mean": (H,), ...} for every block of a CausalLM.
 
-    Keys per layer: memory_window (every recurrent mixer); importance_mean / _min / _max and
-    b_scale (metaplastic mixers only). Attention layers have none.
+    Keys per layer: memory_window (median over tokens; every recurrent mixer); importance_mean,
+    _min, _max, importance_over_prior_min (which the recurrence keeps >= 1),
+    metaplasticity_ratio and b_scale (metaplastic mixers only); and, under "histogram/", the
+    counts of log10(I / prior) in RATIO_EDGES per layer. Attention layers have none.
     """
-    model.set_attributes(diagnose=True, raise_if_not_found=False)
-    try:
-        if hasattr(nnx, "capture"):          # flax >= 0.12.6
-            _, sown = nnx.capture(model, nnx.Intermediate)(tokens, segment_ids=segment_ids)
-        else:
-            model(tokens, segment_ids=segment_ids)
-            sown = nnx.pop(model, nnx.Intermediate)
-    finally:
-        model.set_attributes(diagnose=False, raise_if_not_found=False)
     out = {}
-    for path, value in nnx.to_flat_state(sown):
-        value = value.get_value() if isinstance(value, nnx.Variable) else value
-        out[f"layer_{path[1]:02d}/{path[-1]}"] = value[0]
-    for i, block in enumerate(model.blocks):
-        memory = getattr(block.mixer, "memory", None)
-        if getattr(memory, "metaplasticity", False):
-            out[f"layer_{i:02d}/b_scale"] = jax.nn.softplus(memory.b_scale[...])
+    for layer, inputs in probe(model, tokens, segment_ids).layers.items():
+        name = f"layer_{layer:02d}"
+        window = -1.0 / jnp.expm1(inputs["log_alpha"].astype(jnp.float32))       # (B, T, H)
+        out[f"{name}/memory_window"] = jnp.median(window.reshape(-1, window.shape[-1]), axis=0)
+        if "beta" in inputs and "prior" in inputs:
+            importance = final_posterior(inputs).importance                     # (B, H, Dv, Dk)
+            prior = inputs["prior"]
+            prior = prior.reshape(prior.shape + (1,) * (3 - prior.ndim))
+            out[f"{name}/importance_mean"] = jnp.mean(importance, axis=(0, 2, 3))
+            out[f"{name}/importance_min"] = jnp.min(importance, axis=(0, 2, 3))
+            out[f"{name}/importance_max"] = jnp.max(importance, axis=(0, 2, 3))
+            ratio = importance / prior
+            out[f"{name}/importance_over_prior_min"] = jnp.min(ratio, axis=(0, 2, 3))
+            out[f"{name}/metaplasticity_ratio"] = measures.metaplasticity_ratio(
+                importance, inputs["prior"])
+            out[f"{HISTOGRAMS}{name}/log10_importance_over_prior"] = jnp.histogram(
+                jnp.log10(ratio), bins=RATIO_EDGES)[0]
+            beta = getattr(model.blocks[layer].mixer, "beta", None)
+            out[f"{name}/b_scale"] = jax.nn.softplus(beta.b_scale[...])
     return out
 
 
 def per_head_scalars(diagnostics: dict[str, Array]) -> dict[str, float]:
     """{"metaplasticity/layer_03/importance_mean/head_07": value, ...} plus the mean over heads
-    under ".../mean" for each key."""
+    under ".../mean" for each key (histogram counts left out)."""
     scalars = {}
     for name, values in diagnostics.items():
+        if name.startswith(HISTOGRAMS):
+            continue
         values = jnp.asarray(values)
         for head, value in enumerate(values):
             scalars[f"metaplasticity/{name}/head_{head:02d}"] = value
         scalars[f"metaplasticity/{name}/mean"] = jnp.mean(values)
     return scalars
+
+
+def write_histograms(writer, step: int, model: nnx.Module, diagnostics: dict[str, Array]) -> None:
+    """The histograms to TensorBoard: log10(I / prior) per layer (from `metaplasticity`) and
+    each Bayesian layer's prior, as `metaplasticity/<layer>/...`."""
+    for name, counts in diagnostics.items():
+        if name.startswith(HISTOGRAMS):
+            writer.histogram(step, f"metaplasticity/{name[len(HISTOGRAMS):]}", RATIO_EDGES, counts)
+    for i, block in enumerate(model.blocks):
+        prior = getattr(getattr(block.mixer, "memory", None), "prior", None)
+        if prior is not None:
+            values = np.asarray(prior()).ravel()
+            edges = np.linspace(values.min(), values.max() + 1e-6, 21)
+            writer.histogram(step, f"metaplasticity/layer_{i:02d}/prior", edges,
+                             np.histogram(values, bins=edges)[0])

@@ -1,9 +1,11 @@
 """The training loop: `train_and_evaluate(config, workdir)`.
 
-One jitted step with explicit shardings (parameters and optimiser state by logical-axis rules,
-batches over data x fsdp, kernels per shard), gradient accumulation inside the step, bf16 (or
-the model's) compute over float32 master weights, periodic evaluation, diagnostics, logging and
-asynchronous checkpoints of the state and of the data iterator.
+One `Trainer` per run builds the mesh once, checks the config against it, places parameters and
+optimiser state by logical-axis rules, and holds the jitted train, eval and diagnostics steps
+(explicit shardings, donated state, gradient accumulation inside the step, bf16 or the model's
+compute over float32 master weights). `train_and_evaluate` enters the mesh once and runs the
+loop: periodic evaluation (optionally stopping early), diagnostics, logging and asynchronous
+checkpoints of the state and of the data iterator.
 
 Files in the workdir: config.json (the resolved config), checkpoints/<step>/, tensorboard/,
 metrics.jsonl (every logged step), metrics.json (final metrics).
@@ -26,9 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from palimpsa_jax import data, sharding
-from palimpsa_jax.models import CausalLM, weight_decay_mask
+from palimpsa_jax.models import CausalLM, count_params, weight_decay_mask
 from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
-from palimpsa_jax.training.config import changed_keys, check_config
+from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 
 Array = jax.Array
 IGNORE = -100
@@ -64,15 +66,25 @@ def token_metrics(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
 
 
 class Trainer:
-    """Builds the model, optimiser, step functions and shardings of one config on a mesh."""
+    """The model, optimiser, shardings and jitted steps of one config on one mesh.
 
-    def __init__(self, config: ml_collections.ConfigDict):
+    Construction builds the mesh (from config.mesh, over `devices` or all devices), checks the
+    config against it (`ConfigError` naming the key) and creates `train_step`, `eval_step` and
+    `diagnostics_step`, each a `jax.jit` with explicit shardings. Call them (and `init_state`,
+    `evaluate`) inside `sharding.use_mesh(trainer.mesh, trainer.rules)`, as
+    `train_and_evaluate` does, so that the kernels run per shard.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, devices=None):
         self.config = config
-        self.model_config = check_config(config, jax.device_count())
-        self.mesh = sharding.make_mesh(config.mesh.to_dict())
+        try:
+            self.mesh = sharding.make_mesh(config.mesh.to_dict(), devices)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.model_config = check_config(config, dict(self.mesh.shape))
         self.rules = tuple(tuple(rule) for rule in config.sharding.rules)   # checked above
-        batch_spec = sharding.logical_spec(("batch", None), self.rules)
-        self.batch_sharding = NamedSharding(self.mesh, batch_spec)
+        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(("batch", None),
+                                                                             self.rules))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
         model = nnx.eval_shape(lambda: CausalLM(self.model_config, rngs=nnx.Rngs(config.seed)))
@@ -91,20 +103,45 @@ class Trainer:
             {"params": params, "constants": constants, "opt_state": opt_state,
              "step": jax.ShapeDtypeStruct((), jnp.int32)}, shardings)
 
+        state_and_batch = (self.state_shardings, self.batch_sharding)
+        self.train_step = jax.jit(self._train_step, in_shardings=state_and_batch,
+                                  out_shardings=(self.state_shardings, self.replicated),
+                                  donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step, in_shardings=state_and_batch,
+                                 out_shardings=self.replicated)
+        self.diagnostics_step = jax.jit(self._diagnostics_step, in_shardings=state_and_batch,
+                                        out_shardings=self.replicated)
+        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+
+    def summary(self) -> str:
+        """Devices, mesh, parameter count and tokens per step, for the start of a run."""
+        c = self.config
+        devices = jax.devices()
+        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items())
+        return (f"{len(devices)} {devices[0].platform} device(s) in {jax.process_count()} "
+                f"process(es); mesh {mesh}; {count_params(self.model_config) / 1e6:.3f}M "
+                f"parameters; {c.batch_size * c.data.seq_len:,} tokens per step "
+                f"({c.batch_size} x {c.data.seq_len})")
+
     # --- state ------------------------------------------------------------------------------
+
+    def _init_state(self) -> dict:
+        model = CausalLM(self.model_config, rngs=nnx.Rngs(self.config.seed))
+        _, params, constants = nnx.split(model, nnx.Param, ...)
+        return {"params": params, "constants": constants, "opt_state": self.tx.init(params),
+                "step": jnp.zeros((), jnp.int32)}
 
     def init_state(self) -> dict:
         """Fresh parameters (from config.seed) and optimiser state, sharded."""
-        def init():
-            model = CausalLM(self.model_config, rngs=nnx.Rngs(self.config.seed))
-            _, params, constants = nnx.split(model, nnx.Param, ...)
-            return {"params": params, "constants": constants, "opt_state": self.tx.init(params),
-                    "step": jnp.zeros((), jnp.int32)}
-        with sharding.use_mesh(self.mesh, self.rules):
-            return jax.jit(init, out_shardings=self.state_shardings)()
+        return self._init()
 
     def model(self, state: dict) -> nnx.Module:
         return nnx.merge(self.graphdef, state["params"], state["constants"])
+
+    def global_batch(self, local: dict) -> dict:
+        """This process's numpy batch -> global arrays sharded over data x fsdp."""
+        return {name: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+                for name, x in local.items()}
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -113,7 +150,7 @@ class Trainer:
         logits, _ = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
         return token_metrics(logits, batch["labels"])
 
-    def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
+    def _train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         """One optimiser step over grad_accum micro-batches of the global batch."""
         accum = self.config.train.grad_accum
         micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
@@ -140,29 +177,12 @@ class Trainer:
                         "learning_rate": self.schedule(state["step"])}
         return new_state, step_metrics
 
-    def eval_step(self, state: dict, batch: dict) -> tuple[Array, Array, Array]:
+    def _eval_step(self, state: dict, batch: dict) -> tuple[Array, Array, Array]:
         return self._forward(state["params"], state["constants"], batch)
 
-    def diagnostics_step(self, state: dict, batch: dict) -> dict[str, Array]:
+    def _diagnostics_step(self, state: dict, batch: dict) -> dict[str, Array]:
         return diagnostics.metaplasticity(self.model(state), batch["tokens"],
                                           batch.get("segment_ids"))
-
-    def compile(self):
-        """The jitted train, eval and diagnostics steps (traced under the mesh's rules)."""
-        batch = self.batch_sharding
-        self.jit_train = jax.jit(self.train_step, in_shardings=(self.state_shardings, batch),
-                                 out_shardings=(self.state_shardings, self.replicated),
-                                 donate_argnums=0)
-        self.jit_eval = jax.jit(self.eval_step, in_shardings=(self.state_shardings, batch),
-                                out_shardings=self.replicated)
-        self.jit_diagnostics = jax.jit(self.diagnostics_step,
-                                       in_shardings=(self.state_shardings, batch),
-                                       out_shardings=self.replicated)
-
-    def global_batch(self, local: dict) -> dict:
-        """This process's numpy batch -> global arrays sharded over data x fsdp."""
-        return {name: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
-                for name, x in local.items()}
 
     # --- evaluation -------------------------------------------------------------------------
 
@@ -181,15 +201,14 @@ class Trainer:
         else:
             return {}
         results, totals = {}, np.zeros(3)
-        with sharding.use_mesh(self.mesh, self.rules):
-            for name, dataset in named.items():
-                sums = np.zeros(3)
-                for batch in dataset:
-                    sums += np.array([float(x) for x in self.jit_eval(state, self.global_batch(batch))])
-                loss, correct, count = sums
-                results[f"eval/{name}/loss"] = float(loss / max(count, 1))
-                results[f"eval/{name}/accuracy"] = float(correct / max(count, 1))
-                totals += sums
+        for name, dataset in named.items():
+            sums = np.zeros(3)
+            for batch in dataset:
+                sums += np.array([float(x) for x in self.eval_step(state, self.global_batch(batch))])
+            loss, correct, count = sums
+            results[f"eval/{name}/loss"] = float(loss / max(count, 1))
+            results[f"eval/{name}/accuracy"] = float(correct / max(count, 1))
+            totals += sums
         loss, correct, count = totals
         results["eval/loss"] = float(loss / max(count, 1))
         results["eval/accuracy"] = float(correct / max(count, 1))
@@ -208,54 +227,61 @@ def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
                                              f"resume in {workdir}")
         changed = changed_keys(json.loads(saved_path.read_text()), resolved, RESUMABLE_CHANGES)
         if changed:
-            raise ValueError(f"--resume: the config differs from the run's config.json in {changed}"
-                             f"; only {RESUMABLE_CHANGES} may change")
+            raise ConfigError(f"--resume: the config differs from the run's config.json in "
+                              f"{changed}; only {RESUMABLE_CHANGES} may change")
     elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
-        raise ValueError(f"workdir {workdir} already holds checkpoints: pass --resume to continue "
-                         f"that run, or choose a new workdir")
+        raise ConfigError(f"workdir {workdir} already holds checkpoints: pass --resume to "
+                          f"continue that run, or choose a new workdir")
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         saved_path.write_text(json.dumps(resolved, indent=2) + "\n")
 
 
+def _is_due(step: int, every: int, is_last: bool) -> bool:
+    return is_last or bool(every and step % every == 0)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
                        resume: bool = False) -> dict[str, float]:
-    """Trains config.train.steps steps (continuing from the last checkpoint if resume) and
-    returns the final metrics (also written to workdir/metrics.json)."""
+    """Trains config.train.steps steps (continuing from the last checkpoint if resume; stopping
+    at the first evaluation whose accuracy exceeds train.early_stop_accuracy, if set) and returns
+    the final metrics (also written to workdir/metrics.json)."""
     maybe_initialize_distributed()
     workdir = pathlib.Path(workdir)
     trainer = Trainer(config)                        # validates the config first
     _prepare_workdir(workdir, config, resume)
     c = config
     lead = jax.process_index() == 0
+    if lead:
+        print(f"{workdir.name}: {trainer.summary()}", flush=True)
     writer = metrics.MetricWriter(workdir, enabled=lead)
     ckpt = checkpoint.Checkpoints(workdir, every_steps=c.checkpoint.every_steps,
                                   keep=c.checkpoint.keep, async_save=c.checkpoint.async_save)
     local_batch = c.batch_size // jax.process_count()
-    dataset = data.make_dataset(c.data, split="train", batch_size=local_batch, seed=c.data.seed,
+    dataset = data.make_dataset(c.data, split="train", batch_size=local_batch, seed=c.seed,
                                 shard_index=jax.process_index(), shard_count=jax.process_count())
     batches = iter(dataset)
-    if resume:
-        start, state, data_state = ckpt.restore(trainer.abstract_state)
-        batches.set_state(data_state)
-        writer.truncate(start)
-    else:
-        start, state = 0, trainer.init_state()
-    trainer.compile()
-
-    steps, final, last = c.train.steps, {}, {}
-    progress = tqdm(total=steps, initial=start, disable=not (lead and c.log.progress),
-                    dynamic_ncols=True, desc=workdir.name)
-    tokens_per_step = c.batch_size * c.data.seq_len
-    clock, clock_step = time.perf_counter(), start
+    steps, stop_at = c.train.steps, c.train.get("early_stop_accuracy")
+    final, last = {}, {}
+    progress = None
     try:
         with sharding.use_mesh(trainer.mesh, trainer.rules):   # kernels run per shard
+            if resume:
+                start, state, data_state = ckpt.restore(trainer.abstract_state)
+                batches.set_state(data_state)
+                writer.truncate(start)
+            else:
+                start, state = 0, trainer.init_state()
+            progress = tqdm(total=steps, initial=start, disable=not (lead and c.log.progress),
+                            dynamic_ncols=True, desc=workdir.name)
+            tokens_per_step = c.batch_size * c.data.seq_len
+            clock, clock_step, step = time.perf_counter(), start, start
             for step in range(start + 1, steps + 1):
                 batch = trainer.global_batch(next(batches))
-                state, step_metrics = trainer.jit_train(state, batch)
+                state, step_metrics = trainer.train_step(state, batch)
                 progress.update(1)
                 is_last = step == steps
-                if step % c.log.every_steps == 0 or is_last:
+                if _is_due(step, c.log.every_steps, is_last):
                     last = {f"train/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
                     now = time.perf_counter()
                     throughput = tokens_per_step * (step - clock_step) / (now - clock)
@@ -264,24 +290,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                     writer.scalars(step, {"train/tokens_per_s": throughput}, record=False)
                     final["train/tokens_per_s"] = throughput
                     progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{throughput:.3g}")
-                if c.log.diagnostics_every_steps and (step % c.log.diagnostics_every_steps == 0 or is_last):
-                    diag = trainer.jit_diagnostics(state, batch)
-                    writer.scalars(step, diagnostics.per_head_scalars(jax.device_get(diag)), record=False)
-                if (c.eval.every_steps and step % c.eval.every_steps == 0) or is_last:
+                if c.log.diagnostics_every_steps and _is_due(step, c.log.diagnostics_every_steps,
+                                                             is_last):
+                    diag = jax.device_get(trainer.diagnostics_step(state, batch))
+                    writer.scalars(step, diagnostics.per_head_scalars(diag), record=False)
+                    diagnostics.write_histograms(writer, step, trainer.model(state), diag)
+                stop = False
+                if _is_due(step, c.eval.every_steps, is_last):
                     results = trainer.evaluate(state)
                     writer.scalars(step, results)
                     final.update(results)
-                ckpt.save(step, state, batches.get_state(), force=is_last)
-            if start == steps:      # resumed after the last checkpoint: only the final metrics are due
+                    stop = stop_at is not None and results.get("eval/accuracy", 0.0) > stop_at
+                ckpt.save(step, state, batches.get_state(), force=is_last or stop)
+                if stop:
+                    final["train/stopped_early"] = 1.0
+                    break
+            if step == start:   # resumed at the end: only the final metrics are due
                 final.update(trainer.evaluate(state))
                 last = next((r for r in reversed(writer.records()) if "train/loss" in r), {})
                 last = {k: v for k, v in last.items() if k.startswith("train/")}
         writer.flush()
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         ckpt.close()
         writer.close()
     final.update(last)
-    final["step"] = steps
+    final["step"] = step
     writer.final(final)
     return final

@@ -1,6 +1,6 @@
 """Kernel demo: a synthetic key-value stream through metaplastic attention.
 
-Run `palimpsa-demo` (or `python -m palimpsa_jax.demo`). It draws one stream where a few keys
+Run `palimpsa-demo` (or `python -m palimpsa_jax.commands.demo`). It draws one stream where a few keys
 recur, runs `kernels.palimpsa_attention` on every backend, checks that they agree and that their
 gradients agree, and prints how importance accumulated on the recurring keys. It runs the
 reference and xla backends, and the Pallas backend of the current accelerator if there is one.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+from palimpsa_jax import kernels
 
 
 def key_value_stream(seed: int, length: int, heads: int, dk: int, dv: int, recurring: int):

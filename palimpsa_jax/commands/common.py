@@ -1,10 +1,17 @@
-"""Pieces shared by the command lines (`palimpsa_jax.train`, `palimpsa_jax.sweep`)."""
+"""Pieces shared by the command lines: flag parsing, logging, and errors reported in one line."""
 from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 
 from absl import app, flags, logging
+
+from palimpsa_jax.training.checkpoint import CheckpointError
+from palimpsa_jax.training.config import ConfigError
+
+# Errors of the user's making: reported as one line naming the key or file, without a traceback.
+USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -27,3 +34,17 @@ def quiet_logging() -> None:
     """Warnings and errors only (orbax logs every save at INFO), unless --verbosity is given."""
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """app.run(main) with our flag parsing; a ConfigError, CheckpointError or missing file
+    ends the program with status 2 and one line `error: <message>` on stderr."""
+    def guarded(argv):
+        try:
+            main(argv)
+        except USER_ERRORS as e:
+            message = str(e).replace("\n", "; ")
+            sys.stderr.write(f"error: {message}\n")
+            sys.exit(2)
+
+    app.run(guarded, flags_parser=parse_flags)

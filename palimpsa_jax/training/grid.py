@@ -1,27 +1,30 @@
-"""Sweeps: the grid of configs of an experiment file, run one after another, and its results.
+"""Grids of experiments: the configs of an experiment file, run point after point, and the table
+of their results.
 
 An experiment file may define `get_sweep(arg=None) -> list[ConfigDict]`, the complete config of
-every grid point (big_vision style; `path.py:arg` passes arg). `run_sweep(points, workdir)`
+every grid point (big_vision style; `path.py:arg` passes arg). `run_grid(points, workdir)`
 trains each point in workdir/<name>, the name listing the keys that vary across the grid
-(`mixer=palimpsa_d,seq_len=512,lr=0.001`; keys that follow from the ones before are left out).
+(`mixer=palimpsa_d,seq_len=512,lr=0.001`; keys that follow from the ones before are left out);
+MQAR grids train the replicas that share a model together (`palimpsa_jax.training.replicas`).
 A point whose metrics.json exists is skipped (an error if its config.json differs from the
 point other than in log/checkpoint/eval.every_steps), one with checkpoints but no metrics.json
 is resumed. `summarize(workdir)` rebuilds the results from the points' metrics.json files, also
-after an interrupted sweep.
+after an interrupted grid.
 
 Files in the workdir:
 - sweep.json: the grid, {"columns": [key, ...], "points": [{"name": ..., "values": {key: value}}]}
   (columns: "mixer", optim.lr and every other key that varies);
-- <name>/: one run each (config.json, checkpoints/, tensorboard/, metrics.jsonl, metrics.json);
+- <name>/: one run each (config.json, metrics.json, and the run's checkpoints and logs);
 - results.csv: one row per finished point: name, the columns, eval/<slice>/accuracy for every
   evaluation slice (empty where a point has no such slice), eval/accuracy, train/loss, step;
-- results.md: the same as a Markdown table, then the best learning rate per (mixer, slice);
-- accuracy.png: accuracy of the best learning rate per mixer against the slice's sequence length.
+- results.md: the same as a Markdown table, then for MQAR grids the best learning rate per
+  (mixer, slice) over seeds, and accuracy.png (`palimpsa_jax.evaluation.mqar_report`).
 """
 from __future__ import annotations
 
 import copy
 import csv
+import hashlib
 import importlib.util
 import json
 import pathlib
@@ -32,7 +35,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from palimpsa_jax.training.config import changed_keys, flatten
+from palimpsa_jax.evaluation import mqar_report
+from palimpsa_jax.training import replicas
+from palimpsa_jax.training.config import ConfigError, changed_keys, flatten
 from palimpsa_jax.training.trainer import train_and_evaluate
 
 MIXER = "mixer"   # the column derived from model.mixers and model.metaplasticity
@@ -41,13 +46,12 @@ LR = "optim.lr"
 KEY_ORDER = (MIXER, "data.seq_len", "data.num_pairs", LR)
 # Keys that do not change a finished run's results (a finished point may differ in them).
 NO_EFFECT = ("log", "checkpoint", "eval.every_steps")
-SLICE = re.compile(r"seq(\d+)_pairs(\d+)")
 FINAL = ("eval/accuracy", "train/loss", "step")
 
 
 # --- the grid -------------------------------------------------------------------------------
 
-def load_sweep(spec: str) -> list[ml_collections.ConfigDict]:
+def load_grid(spec: str) -> list[ml_collections.ConfigDict]:
     """The points of `path.py[:arg]`: get_sweep(arg) of that file (get_sweep() without arg)."""
     path, *arg = spec.split(":", 1)
     if not pathlib.Path(path).is_file():
@@ -56,11 +60,11 @@ def load_sweep(spec: str) -> list[ml_collections.ConfigDict]:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     if not hasattr(module, "get_sweep"):
-        raise ValueError(f"sweep file {path} defines no get_sweep(arg)")
+        raise ConfigError(f"sweep file {path} defines no get_sweep(arg)")
     points = module.get_sweep(*arg)
     if not points or not all(isinstance(p, ml_collections.ConfigDict) for p in points):
-        raise ValueError(f"get_sweep({', '.join(map(repr, arg))}) of {path} must return a "
-                         f"non-empty list of ConfigDicts")
+        raise ConfigError(f"get_sweep({', '.join(map(repr, arg))}) of {path} must return a "
+                          f"non-empty list of ConfigDicts")
     return list(points)
 
 
@@ -69,7 +73,7 @@ def apply_overrides(points: Sequence[ml_collections.ConfigDict],
     """Copies of the points (locked) with every `dotted.key: value` of `overrides` set.
 
     The values are typed (the command line's are parsed by ml_collections' config flags);
-    a key that a point lacks, or a value of the wrong type, raises ValueError naming the key.
+    a key that a point lacks, or a value of the wrong type, raises ConfigError naming the key.
     """
     result = []
     for point in points:
@@ -80,9 +84,9 @@ def apply_overrides(points: Sequence[ml_collections.ConfigDict],
                 point.update_from_flattened_dict({key: value})
             except (KeyError, AttributeError) as e:
                 detail = str(e.args[0] if e.args else e).replace("\n", "; ")
-                raise ValueError(f"override {key!r}: no such config key ({detail})") from None
+                raise ConfigError(f"override {key!r}: no such config key ({detail})") from None
             except TypeError as e:
-                raise ValueError(f"override {key!r}: {e}") from None
+                raise ConfigError(f"override {key!r}: {e}") from None
         result.append(point)
     return result
 
@@ -142,9 +146,9 @@ def point_names(points: Sequence[ml_collections.ConfigDict]) -> list[str]:
                       for label, k in zip(labels, named)) or "point" for c in columns]
     for i, name in enumerate(names):
         if names.index(name) != i:
-            raise ValueError(f"grid points {names.index(name)} and {i} have the same name "
-                             f"{name!r}: they are equal in every varying key (floats to 4 "
-                             f"significant digits)")
+            raise ConfigError(f"grid points {names.index(name)} and {i} have the same name "
+                              f"{name!r}: they are equal in every varying key (floats to 4 "
+                              f"significant digits)")
     return names
 
 
@@ -160,8 +164,8 @@ def _check_finished(point: ml_collections.ConfigDict, run_dir: pathlib.Path) -> 
     changed = changed_keys(json.loads((run_dir / "config.json").read_text()),
                            json.loads(point.to_json_best_effort()), NO_EFFECT)
     if changed:
-        raise ValueError(f"{run_dir} holds a finished run whose config differs from this sweep "
-                         f"point in {changed}: remove that directory or choose another workdir")
+        raise ConfigError(f"{run_dir} holds a finished run whose config differs from this sweep "
+                          f"point in {changed}: remove that directory or choose another workdir")
 
 
 def write_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[str]:
@@ -175,22 +179,47 @@ def write_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[str
     return names
 
 
-def run_sweep(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[str, Any]]:
-    """Trains the points one after another in workdir/<name> and returns summarize(workdir);
-    the results files are rewritten after every point."""
+def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[str, Any]]:
+    """Trains the unfinished points in workdir/<name> and returns summarize(workdir); the
+    results files are rewritten after every point (or group of replicas).
+
+    MQAR points that differ only in seed and learning rate train together as replicas
+    (`replicas.group_points`), one vmapped program per group on one device, with the data set
+    materialised once in workdir/data. Other points, MQAR points alone in their group included,
+    train one after another with `train_and_evaluate`.
+    """
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
     names = write_grid(points, workdir) if lead else point_names(points)
-    for i, (name, point) in enumerate(zip(names, points), 1):
-        run_dir = workdir / name
-        if (run_dir / "metrics.json").exists():
-            _check_finished(point, run_dir)
-            print(f"[{i}/{len(points)}] {name}: finished before, skipped")
-            continue
+    todo = []
+    for i, (name, point) in enumerate(zip(names, points)):
+        if (workdir / name / "metrics.json").exists():
+            _check_finished(point, workdir / name)
+            print(f"[{i + 1}/{len(points)}] {name}: finished before, skipped")
+        else:
+            todo.append(i)
+    mqar = [i for i in todo if points[i].data.kind == "mqar"]
+    groups = [[mqar[g] for g in group] for group in replicas.group_points([points[i] for i in mqar])]
+    together = [group for group in groups if len(group) > 1]
+    grouped = {i for group in together for i in group}
+    for members in together:
+        key = json.dumps([names[i] for i in members]).encode()
+        group_dir = workdir / "groups" / hashlib.sha256(key).hexdigest()[:12]
+        print(f"training {len(members)} replica(s) together: {', '.join(names[i] for i in members)}")
+        finals = replicas.train_group([points[i] for i in members],
+                                      [workdir / names[i] for i in members], group_dir,
+                                      cache_dir=workdir / "data", desc=names[members[0]])
+        for i, final in zip(members, finals):
+            print(f"{names[i]}: " + ", ".join(f"{k}={_format(final[k])}" for k in FINAL
+                                               if k in final))
+        if lead:
+            summarize(workdir)
+    for i in (i for i in todo if i not in grouped):
+        run_dir = workdir / names[i]
         resume = _has_checkpoint(run_dir)
-        print(f"[{i}/{len(points)}] {name}: {'resuming' if resume else 'training'}")
-        final = train_and_evaluate(point, run_dir, resume=resume)
-        print(f"[{i}/{len(points)}] {name}: " + ", ".join(
+        print(f"[{i + 1}/{len(points)}] {names[i]}: {'resuming' if resume else 'training'}")
+        final = train_and_evaluate(points[i], run_dir, resume=resume)
+        print(f"[{i + 1}/{len(points)}] {names[i]}: " + ", ".join(
             f"{k}={_format(final[k])}" for k in FINAL if k in final))
         if lead:
             summarize(workdir)
@@ -199,14 +228,10 @@ def run_sweep(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict
 
 # --- results --------------------------------------------------------------------------------
 
-def _slice_order(name: str) -> tuple:
-    match = SLICE.fullmatch(name)
-    return (0, int(match[1]), int(match[2]), "") if match else (1, 0, 0, name)
-
-
 def summarize(workdir) -> list[dict[str, Any]]:
-    """Writes results.csv, results.md and accuracy.png from workdir/sweep.json and the points'
-    metrics.json files; returns the rows (one dict per finished point, keys as in the CSV)."""
+    """Writes results.csv and results.md (and, for MQAR slices, the best-learning-rate table and
+    accuracy.png) from workdir/sweep.json and the points' metrics.json files; returns the rows
+    (one dict per finished point, keys as in the CSV)."""
     workdir = pathlib.Path(workdir)
     grid_path = workdir / "sweep.json"
     if not grid_path.exists():
@@ -221,7 +246,7 @@ def summarize(workdir) -> list[dict[str, Any]]:
         else:
             unfinished.append(point["name"])
     slices = sorted({m[1] for row in rows for k in row
-                     if (m := re.fullmatch(r"eval/(.+)/accuracy", k))}, key=_slice_order)
+                     if (m := re.fullmatch(r"eval/(.+)/accuracy", k))}, key=mqar_report.slice_order)
     fields = ["name", *grid["columns"], *(f"eval/{s}/accuracy" for s in slices), *FINAL]
     rows = [{k: row.get(k) for k in fields} for row in rows]
     with (workdir / "results.csv").open("w", newline="") as f:
@@ -229,71 +254,14 @@ def summarize(workdir) -> list[dict[str, Any]]:
         writer.writeheader()
         for row in rows:
             writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-    best = _best_lr(rows, slices)
-    (workdir / "results.md").write_text(_markdown(rows, grid["columns"], slices, best, unfinished))
-    _plot(best, workdir / "accuracy.png")
-    return rows
-
-
-def _best_lr(rows: list[dict], slices: list[str]) -> list[dict[str, Any]]:
-    """Per (mixer, slice) with results: the row with the highest accuracy on that slice."""
-    best = []
-    for mixer in dict.fromkeys(row[MIXER] for row in rows):
-        for s in slices:
-            scored = [r for r in rows if r[MIXER] == mixer and r[f"eval/{s}/accuracy"] is not None]
-            if scored:
-                top = max(scored, key=lambda r: r[f"eval/{s}/accuracy"])
-                best.append({MIXER: mixer, "slice": s, LR: top[LR],
-                             "accuracy": top[f"eval/{s}/accuracy"], "name": top["name"]})
-    return best
-
-
-def _table(header: list[str], lines: list[list[str]]) -> str:
-    return "\n".join("| " + " | ".join(cells) + " |"
-                     for cells in [header, ["---"] * len(header), *lines]) + "\n"
-
-
-def _cell(value, digits: int = 4) -> str:
-    if value is None:
-        return ""
-    return f"{value:.{digits}f}" if isinstance(value, float) else _format(value)
-
-
-def _markdown(rows, columns, slices, best, unfinished) -> str:
-    header = ["point", *columns, *(f"accuracy {s}" for s in slices), "accuracy (all slices)",
-              "train loss", "steps"]
-    lines = [[row["name"], *(_format(row[c]) for c in columns),
-              *(_cell(row[f"eval/{s}/accuracy"]) for s in slices), *(_cell(row[k]) for k in FINAL)]
-             for row in rows]
-    text = "# Sweep results\n\n" + _table(header, lines)
-    text += "\n## Best learning rate per (mixer, slice)\n\n" + _table(
-        [MIXER, "slice", LR, "accuracy", "point"],
-        [[b[MIXER], b["slice"], _format(b[LR]), _cell(b["accuracy"]), b["name"]] for b in best])
+    header = ["point", *grid["columns"], *(f"accuracy {s}" for s in slices),
+              "accuracy (all slices)", "train loss", "steps"]
+    lines = [[row["name"], *(_format(row[c]) for c in grid["columns"]),
+              *(mqar_report.cell(row[f"eval/{s}/accuracy"]) for s in slices),
+              *(mqar_report.cell(row[k]) for k in FINAL)] for row in rows]
+    text = "# Sweep results\n\n" + mqar_report.table(header, lines)
+    text += mqar_report.report(rows, slices, workdir / "accuracy.png")
     if unfinished:
         text += f"\nNot finished ({len(unfinished)}): {', '.join(unfinished)}\n"
-    return text
-
-
-def _plot(best: list[dict], path: pathlib.Path) -> None:
-    """Accuracy (best learning rate) against sequence length of the MQAR slices, a line per mixer."""
-    from matplotlib.figure import Figure   # no pyplot: no global backend state; saved with Agg
-
-    fig = Figure(figsize=(6, 4), dpi=120)
-    ax = fig.subplots()
-    lengths = set()
-    for mixer in dict.fromkeys(b[MIXER] for b in best):
-        points = sorted((_slice_order(b["slice"]), b["accuracy"]) for b in best
-                        if b[MIXER] == mixer and SLICE.fullmatch(b["slice"]))
-        xs = [order[1] for order, _ in points]
-        lengths.update(xs)
-        ax.plot(xs, [acc for _, acc in points], marker="o", label=mixer)
-    if lengths:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])
-        ax.set_xticks([], minor=True)
-        ax.legend()
-    ax.set(xlabel="sequence length (evaluation slice)", ylabel="accuracy (best learning rate)",
-           ylim=(0, 1.02), title="MQAR")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    (workdir / "results.md").write_text(text)
+    return rows

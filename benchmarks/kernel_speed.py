@@ -1,17 +1,17 @@
-"""Speed, memory and agreement of the attention backends (SPEC sections 4 and 6).
+"""Speed, memory and agreement of the attention backends (README "Benchmarks").
 
 Times the forward and the forward+backward (gradient of <o, w> w.r.t. every differentiable
 input, under `jax.jit`) of each `palimpsa_attention` backend, per chunk size for the chunked
-ones, and of `gla_attention` (the non-metaplastic speed of light), over the SPEC section 6
-shapes. Every row is set against the authors' Triton kernel and the SPEC ceiling. Before a
+ones, and of `gla_attention` (the non-metaplastic speed of light), over the reference
+shapes (README "Benchmarks"). Every row is set against the authors' Triton kernel and the ceiling. Before a
 shape is timed, each chunked backend is checked in float32 against the sequential reference;
 the exit status is 1 if any relative error exceeds the tolerance, a case fails or a shape is
 left out by --time-limit-s. Backends that cannot run on the platform (pallas_gpu on a CPU) are
 named in the header and left out.
 
-    python benchmarks/kernels.py                      # SPEC shapes, bf16
-    python benchmarks/kernels.py --small              # tiny shapes, a CPU smoke run
-    python benchmarks/kernels.py --shapes lm_170m --chunk-sizes 16 32 64 --output RESULTS.md
+    python -m benchmarks.kernel_speed                      # reference shapes, bf16
+    python -m benchmarks.kernel_speed --small              # tiny shapes, a CPU smoke run
+    python -m benchmarks.kernel_speed --shapes lm_170m --chunk-sizes 16 32 64 --output RESULTS.md
 """
 from __future__ import annotations
 
@@ -27,22 +27,17 @@ import statistics
 import sys
 import time
 
-# This file is named like the `kernels` package: import the package from the repository root.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
-import numpy as np  # noqa: E402
-
-import kernels  # noqa: E402
+from palimpsa_jax import kernels
 
 GIB = 2**30
 TOLERANCE = 1e-4
 
-# SPEC section 6 ceiling: the LM shape's 8*2048*16*48*48 state-element updates take >= 0.15 ms
+# Ceiling (README "Benchmarks"): the LM shape's 8*2048*16*48*48 state-element updates take >= 0.15 ms
 # forward and >= 0.5 ms forward+backward; other shapes scale with B*T*H*Dv*Dk.
 LM_STATE_UPDATES = 8 * 2048 * 16 * 48 * 48
 CEILING_MS = {"fwd": 0.15, "fwd+bwd": 0.5}
@@ -72,7 +67,7 @@ class Shape:
         return CEILING_MS[pass_] * self.state_updates / LM_STATE_UPDATES
 
 
-SPEC_SHAPES = (
+REFERENCE_SHAPES = (
     Shape("lm_170m", 8, 2048, 16, 48, 48, (3.88, 19.26, 1.18)),
     Shape("mqar", 64, 512, 8, 16, 32, (0.94, 3.79, 0.76)),
     Shape("palimpsa_m", 8, 2048, 16, 48, 96, (7.21, 38.94, 2.08)),
@@ -84,7 +79,7 @@ SMALL_SHAPES = (
     Shape("tiny_ragged", 2, 100, 2, 16, 32),  # T is no multiple of the chunk sizes: padding
     Shape("tiny_long", 1, 512, 2, 16, 16),
 )
-SHAPES = {s.name: s for s in SPEC_SHAPES + SMALL_SHAPES}
+SHAPES = {s.name: s for s in REFERENCE_SHAPES + SMALL_SHAPES}
 
 # op name -> (entry point, the differentiable inputs it takes)
 OPS = {
@@ -351,7 +346,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--shapes", nargs="+", choices=sorted(SHAPES),
-                       default=[s.name for s in SPEC_SHAPES], help="shapes to run (SPEC by default)")
+                       default=[s.name for s in REFERENCE_SHAPES],
+                       help="shapes to run (the reference shapes by default)")
     which.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     parser.add_argument("--backends", nargs="+", choices=sorted(kernels.PALIMPSA_BACKENDS),
                         help="palimpsa backends to time and check (default: all that run here)")
@@ -404,9 +400,9 @@ def main(argv=None) -> int:
 
     has_allocator = allocator_peak_bytes() is not None
     notes = [
-        ("Ceiling: SPEC section 6, 0.15 ms fwd / 0.5 ms fwd+bwd at the LM shape's 604M "
+        ("Ceiling (README 'Benchmarks'), 0.15 ms fwd / 0.5 ms fwd+bwd at the LM shape's 604M "
          "state-element updates, scaled by B·T·H·Dv·Dk; % ceiling = ceiling / measured."),
-        "Triton: the authors' kernel (chunk 16) on one H200, from SPEC section 6.",
+        "Triton: the authors' kernel (chunk 16) on one H200, as the README's 'Benchmarks' quotes it.",
         ("Peak (compiled): `memory_analysis()` of the jitted program, arguments + outputs + "
          "temporaries."),
     ]

@@ -1,0 +1,1 @@
+"""The command lines (console scripts): palimpsa-train, palimpsa-sweep, palimpsa-demo."""

@@ -1,0 +1,1 @@
+"""Evaluation and reports: MQAR grid results (`mqar_report`)."""

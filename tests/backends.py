@@ -1,0 +1,49 @@
+"""Calling a kernel backend the way the tests do: compiled with `jax.jit`, Pallas backends in
+interpret mode on CPU, with JAX's 64-bit mode on (the test default) or off."""
+import contextlib
+import functools
+
+import jax
+import pytest
+
+# The kernel tests run every backend under jax.jit with jax_enable_x64 on and off.
+X64_MODES = pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
+
+STATIC = ("scale", "return_final_state", "return_variance")
+
+
+def options(backend: str, chunk_size=None) -> dict:
+    """Backend options: chunk_size for the chunked backends, interpret=True for Pallas on CPU."""
+    opts = {} if chunk_size is None or backend == "reference" else {"chunk_size": chunk_size}
+    if backend.startswith("pallas") and jax.default_backend() == "cpu":
+        opts["interpret"] = True
+    return opts
+
+
+def call(kernel, backend: str, *args, chunk_size=None, jit: bool = True, x64: bool = True,
+         **kwargs):
+    """kernel(*args, backend=backend, **kwargs), jitted (arrays traced, flags static) under the
+    given 64-bit mode. The jitted function is cached per (kernel, backend, options, flags, mode),
+    so calls with the same shapes compile once."""
+    static = tuple(sorted((name, kwargs.pop(name)) for name in STATIC if name in kwargs))
+    run = _runner(kernel, backend, chunk_size, static, x64) if jit else functools.partial(
+        _run, functools.partial(kernel, backend=backend, **options(backend, chunk_size),
+                                **dict(static)))
+    with x64_mode(x64):
+        return run(args, kwargs)
+
+
+def _run(bound, args, kwargs):
+    return bound(*args, **kwargs)
+
+
+@functools.cache
+def _runner(kernel, backend, chunk_size, static, x64):
+    bound = functools.partial(kernel, backend=backend, **options(backend, chunk_size),
+                              **dict(static))
+    return jax.jit(functools.partial(_run, bound))
+
+
+def x64_mode(x64: bool):
+    """A context with jax_enable_x64 as given (the tests run with it on by default)."""
+    return contextlib.nullcontext() if x64 else jax.enable_x64(False)
