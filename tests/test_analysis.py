@@ -113,9 +113,9 @@ def test_kl_to_prior_is_the_closed_form():
     """Against a numerical integral of q log(q / p) for 1-D Gaussians."""
     grid = np.linspace(-30, 30, 600_001)
     for mu, importance, prior in [(0.0, 1.0, 1.0), (0.7, 3.0, 1.0), (-2.0, 0.5, 2.0), (1.5, 40.0, 0.3)]:
-        q = np.sqrt(importance / (2 * np.pi)) * np.exp(-0.5 * importance * (grid - mu) ** 2)
-        p = np.sqrt(prior / (2 * np.pi)) * np.exp(-0.5 * prior * grid**2)
-        numeric = np.trapezoid(q * (np.log(np.maximum(q, 1e-300)) - np.log(p)), grid)
+        log_q = 0.5 * np.log(importance / (2 * np.pi)) - 0.5 * importance * (grid - mu) ** 2
+        log_p = 0.5 * np.log(prior / (2 * np.pi)) - 0.5 * prior * grid**2
+        numeric = np.trapezoid(np.exp(log_q) * (log_q - log_p), grid)
         ours = measures.kl_to_prior(np.full((1, 1, 1, 1), mu), np.full((1, 1, 1, 1), importance),
                                     np.full(1, prior))
         assert float(ours[0, 0]) == pytest.approx(numeric, rel=1e-6, abs=1e-9)
@@ -148,7 +148,8 @@ def test_auroc_and_buckets_by_hand():
     brute = np.mean([(p > n) + 0.5 * (p == n) for p in pos for n in neg])
     assert measures.auroc(scores, positives) == pytest.approx(brute)
     assert np.isnan(measures.auroc(scores, np.zeros(200, bool)))
-    values = rng.normal(size=100)
+    half = np.abs(rng.normal(size=50)) + 1e-3
+    values = rng.permutation(np.concatenate([-half, half]))     # 50 below zero, 50 above
     edges, means, counts = measures.by_quantile_bucket(values, values > 0, 4)
     assert counts.tolist() == [25] * 4 and means[0] == 0.0 and means[-1] == 1.0
     tokens = uncertainty.ScoredTokens(values, values < 0, values**2)   # errors: variance >= 0

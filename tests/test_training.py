@@ -171,7 +171,7 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
 
 @pytest.mark.parametrize("key, value, message", [
     ("optim.lr", -1e-3, "optim.lr must be > 0"),
-    ("model.mixers", ("palimpsa_x",), "model: mixers must be names from"),
+    ("model.mixers", ("palimpsa_x",), "model: mixers: mixer 'palimpsa_x' is not registered"),
     ("train.grad_accum", 3, r"batch_size \(16\) must be divisible by mesh.data x mesh.fsdp x train.grad_accum"),
     ("mesh.tensor", 2, r"mesh.data = -1: the other axes \(2 devices\) do not divide the 1 devices"),
     ("data.kind", "images", "data.kind must be one of"),
@@ -336,7 +336,7 @@ def test_language_model_on_a_local_corpus(tmp_path):
                         mlp_hidden=64, beta_rank=4)
     config.data.update(path=str(tmp_path / "train.npy"), test_path=str(tmp_path / "test.npy"),
                        seq_len=32)
-    config.batch_size, config.train.steps = 4, 3
+    config.batch_size, config.train.steps, config.optim.warmup_steps = 4, 3, 1
     config.log.update(every_steps=1, diagnostics_every_steps=3, progress=False)
     config.eval.update(every_steps=0, batch_size=4)
     final = train_and_evaluate(config, tmp_path / "run")

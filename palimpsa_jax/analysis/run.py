@@ -10,8 +10,7 @@ import ml_collections
 from flax import nnx
 
 from palimpsa_jax import sharding
-from palimpsa_jax.training import checkpoint
-from palimpsa_jax.training.trainer import Trainer
+from palimpsa_jax.training import checkpoint, trainer  # the module: training imports analysis
 
 
 class Run(NamedTuple):
@@ -23,12 +22,19 @@ class Run(NamedTuple):
     workdir: pathlib.Path
 
 
+def _tuples(value):
+    """JSON arrays back to the tuples the config files use (lists cannot be overridden by flags)."""
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return tuple(map(_tuples, value)) if isinstance(value, list) else value
+
+
 def run_config(workdir) -> ml_collections.ConfigDict:
-    """The resolved config a run saved in workdir/config.json."""
+    """The resolved config a run saved in workdir/config.json (arrays as tuples)."""
     path = pathlib.Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: {workdir} is not a run directory")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    return ml_collections.ConfigDict(_tuples(json.loads(path.read_text())))
 
 
 def checkpoint_steps(workdir) -> list[int]:
@@ -53,12 +59,12 @@ def load_run(workdir, step: int | None = None, *, mesh: dict[str, int] | None = 
     loading.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, **(mesh or {})})
     loading.batch_size = loading.eval.batch_size = len(devices or jax.devices())
     loading.train.grad_accum = 1
-    trainer = Trainer(loading, devices)
+    loader = trainer.Trainer(loading, devices)
     ckpt = checkpoint.Checkpoints(workdir, every_steps=0, keep=1, async_save=False)
     try:
-        with sharding.use_mesh(trainer.mesh, trainer.rules):
-            step, state, _ = ckpt.restore(trainer.abstract_state, step)
+        with sharding.use_mesh(loader.mesh, loader.rules):
+            step, state, _ = ckpt.restore(loader.abstract_state, step)
     finally:
         ckpt.close()
-    return Run(trainer.model(state), config, int(step), workdir)
+    return Run(loader.model(state), config, int(step), workdir)
 

@@ -31,9 +31,13 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether `save` at this step writes a checkpoint: step a multiple of every_steps, or force."""
+        return force or bool(self.every_steps and step % self.every_steps == 0)
+
     def save(self, step: int, state, data_state: dict, *, force: bool = False) -> bool:
-        """Saves when step is a multiple of every_steps (or force); returns whether it did."""
-        if not force and (not self.every_steps or step % self.every_steps):
+        """Saves when `due(step, force)`; returns whether it did."""
+        if not self.due(step, force=force):
             return False
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)

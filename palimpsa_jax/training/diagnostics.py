@@ -25,7 +25,7 @@ def metaplasticity(model: nnx.Module, tokens: Array, segment_ids: Array | None =
 
     Keys per layer: memory_window (median over tokens; every recurrent mixer); importance_mean,
     _min, _max, importance_over_prior_min (which the recurrence keeps >= 1),
-    metaplasticity_ratio and b_scale (metaplastic mixers only); and, under "histogram/", the
+    metaplasticity_ratio and b_scale (metaplastic mixers only; b_scale where the beta module has one); and, under "histogram/", the
     counts of log10(I / prior) in RATIO_EDGES per layer. Attention layers have none.
     """
     out = {}
@@ -47,7 +47,8 @@ def metaplasticity(model: nnx.Module, tokens: Array, segment_ids: Array | None =
             out[f"{HISTOGRAMS}{name}/log10_importance_over_prior"] = jnp.histogram(
                 jnp.log10(ratio), bins=RATIO_EDGES)[0]
             beta = getattr(model.blocks[layer].mixer, "beta", None)
-            out[f"{name}/b_scale"] = jax.nn.softplus(beta.b_scale[...])
+            if hasattr(beta, "b_scale"):          # the built-in BetaProjection; prototypes may differ
+                out[f"{name}/b_scale"] = jax.nn.softplus(beta.b_scale[...])
     return out
 
 

@@ -12,7 +12,7 @@ import pathlib
 import time
 
 import numpy as np
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -41,7 +41,7 @@ class MetricWriter:
             kept = [r for r in self.records() if r["step"] <= step]
             self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
         for path in self._earlier_event_files:
-            for event in EventFileLoader(str(path)).Load():
+            for event in LegacyEventFileLoader(str(path)).Load():   # as written (no migration)
                 if event.HasField("summary") and event.step <= step:
                     self._events.add_event(event)
             path.unlink()

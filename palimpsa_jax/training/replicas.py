@@ -310,7 +310,10 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                     state["done"] = jnp.asarray(done)
                     state["stopped_at"] = jnp.where(jnp.asarray(stopping), step,
                                                     state["stopped_at"])
-            ckpt.save(step, state, {}, force=is_last or bool(done.all()))
+            if ckpt.due(step, force=is_last or bool(done.all())):
+                for writer in writers:
+                    writer.flush()
+                ckpt.save(step, state, {}, force=True)
             if done.all():
                 break
     finally:

@@ -301,7 +301,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                     writer.scalars(step, results)
                     final.update(results)
                     stop = stop_at is not None and results.get("eval/accuracy", 0.0) > stop_at
-                ckpt.save(step, state, batches.get_state(), force=is_last or stop)
+                if ckpt.due(step, force=is_last or stop):
+                    writer.flush()     # what a crash loses ends at the checkpoint, in TensorBoard too
+                    ckpt.save(step, state, batches.get_state(), force=True)
                 if stop:
                     final["train/stopped_early"] = 1.0
                     break
