@@ -5,6 +5,7 @@ import functools
 
 import jax
 import pytest
+from hypothesis import given, settings
 
 # The kernel tests run every backend under jax.jit with jax_enable_x64 on and off.
 X64_MODES = pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
@@ -47,3 +48,16 @@ def _runner(kernel, backend, chunk_size, static, x64):
 def x64_mode(x64: bool):
     """A context with jax_enable_x64 as given (the tests run with it on by default)."""
     return contextlib.nullcontext() if x64 else jax.enable_x64(False)
+
+
+def in_both_x64_modes(check, strategies: dict, backends, examples: tuple[int, int]):
+    """Two hypothesis tests of `check(backend, x64, **case)` over every backend, under jit: x64
+    on (examples[0] cases per backend) and off (examples[1]); assign them to test_* names."""
+    def make(x64, count):
+        @pytest.mark.parametrize("backend", backends)
+        @settings(max_examples=count)
+        @given(**strategies)
+        def test(backend, **case):
+            check(backend, x64, **case)
+        return test
+    return make(True, examples[0]), make(False, examples[1])

@@ -65,6 +65,22 @@ def test_console_scripts_name_importable_functions():
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
+def test_each_command_imports_first_in_a_fresh_process_without_starting_a_backend():
+    """What a console script (or a spawned data worker re-importing it) does first: import its
+    module alone. No import cycle, and no jax array made at import time (that would start the
+    accelerator backend in every worker process)."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    modules = [line.split("=", 1)[1].split(":")[0].strip() for line in
+               config["options.entry_points"]["console_scripts"].strip().splitlines()]
+    for module in [*modules, "palimpsa_jax.experiments.mqar.common", "palimpsa_jax.analysis"]:
+        check = (f"import {module}; from jax._src import xla_bridge; "
+                 f"assert not xla_bridge._backends, 'a backend started at import'")
+        result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                                cwd=ROOT.parent)
+        assert result.returncode == 0, (module, result.stderr[-2000:])
+
+
 def test_scripts_import_the_package_not_their_siblings():
     """No benchmark or command edits sys.path or loads a sibling file through importlib."""
     for path in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "palimpsa_jax").rglob("*.py")]:

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import backends
@@ -66,18 +65,8 @@ def check_values(backend, x64, shape, chunk_size, seed, with_state, with_segment
 
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10)
-@given(**VALUES)
-def test_matches_float64_numpy(backend, **case):
-    check_values(backend, True, **case)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=3)
-@given(**VALUES)
-def test_matches_float64_numpy_without_x64(backend, **case):
-    check_values(backend, False, **case)
+test_matches_float64_numpy, test_matches_float64_numpy_without_x64 = backends.in_both_x64_modes(
+    check_values, VALUES, BACKENDS, (10, 3))
 
 
 GRADIENTS = dict(shape=shapes, chunk_size=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16),
@@ -114,18 +103,8 @@ def check_gradients(backend, x64, shape, chunk_size, seed, with_segments, family
         assert relative_error(g, g_ref) < 2e-5, name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=5)
-@given(**GRADIENTS)
-def test_gradients_match_float64_autodiff(backend, **case):
-    check_gradients(backend, True, **case)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=2)
-@given(**GRADIENTS)
-def test_gradients_match_float64_autodiff_without_x64(backend, **case):
-    check_gradients(backend, False, **case)
+test_gradients_match_float64_autodiff, test_gradients_match_float64_autodiff_without_x64 = backends.in_both_x64_modes(
+    check_gradients, GRADIENTS, BACKENDS, (5, 2))
 
 
 def test_float64_references_agree():

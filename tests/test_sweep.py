@@ -214,3 +214,19 @@ def test_command_line_rejects_unknown_key(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "--config.train.stepz: unknown config key" in result.stderr
+
+
+SWEEP_FILES = sorted(p for p in (ROOT / "experiments").rglob("*.py")
+                     if "get_sweep" in p.read_text())
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_sweep_file_gives_valid_points(path):
+    """Every grid an experiment file defines passes the launcher's config checks, and its points
+    have distinct names (so no two share a run directory)."""
+    from palimpsa_jax.training import check_config
+    points = grid.load_grid(str(path))
+    for point in points:
+        check_config(point, {"data": 1, "fsdp": 1, "tensor": 1})
+    names = grid.point_names(points)
+    assert len(set(names)) == len(points)

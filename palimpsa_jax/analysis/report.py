@@ -203,10 +203,10 @@ def _markdown(result: dict, bayesian: bool) -> str:
                                                    u["mean_loss_by_bucket"], u["count_by_bucket"])):
             lines.append(f"| {u['bucket_edges'][i]:.3g} - {u['bucket_edges'][i + 1]:.3g} | "
                          f"{acc:.4f} | {loss:.4f} | {count} |")
+        layers = list(next(iter(result["metaplasticity_over_training"].values()), {}))
         lines += ["", "## Metaplasticity ratio over training (median over heads)", "",
-                  "| step | " + " | ".join(f"layer {layer}" for layer in
-                                           next(iter(result["metaplasticity_over_training"].values()), {}))
-                  + " |"]
+                  "| step | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+                  "|---|" + "---|" * len(layers)]
         for step, per_layer in result["metaplasticity_over_training"].items():
             lines.append(f"| {step} | " + " | ".join(f"{np.median(v):.2f}" for v in per_layer.values())
                          + " |")

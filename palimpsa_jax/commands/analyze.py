@@ -10,7 +10,7 @@ Also `python -m palimpsa_jax.commands.analyze`.
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from palimpsa_jax.analysis import report
 from palimpsa_jax.commands import common
@@ -23,10 +23,7 @@ def _define_flags():
     flags.mark_flag_as_required("workdir")
 
 
-def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    common.quiet_logging()
+def _main():
     f = flags.FLAGS
     result = report.analyze(f.workdir, size=f.sequences, step=f.step)
     print(f"step {result['step']}: {f.workdir}/analysis/report.md")

@@ -36,12 +36,16 @@ def quiet_logging() -> None:
         logging.set_verbosity(logging.WARNING)
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-    """app.run(main) with our flag parsing; a ConfigError, CheckpointError or missing file
-    ends the program with status 2 and one line `error: <message>` on stderr."""
+def run(main: Callable[[], None]) -> None:
+    """app.run(main) with our flag parsing and quiet logging; positional arguments are a usage
+    error; a ConfigError, CheckpointError or missing file ends the program with status 2 and one
+    line `error: <message>` on stderr."""
     def guarded(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        quiet_logging()
         try:
-            main(argv)
+            main()
         except USER_ERRORS as e:
             message = str(e).replace("\n", "; ")
             sys.stderr.write(f"error: {message}\n")

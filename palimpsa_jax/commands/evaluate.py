@@ -14,7 +14,7 @@ import json
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 from palimpsa_jax import sharding
@@ -46,10 +46,7 @@ def _workdir_from(argv: list[str]) -> str | None:
     return None
 
 
-def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    common.quiet_logging()
+def _main():
     f = flags.FLAGS
     workdir = pathlib.Path(f.workdir)
     step, results = evaluate(workdir, f.config, f.step)

@@ -27,10 +27,7 @@ def _define_flags():
     flags.mark_flag_as_required("workdir")
 
 
-def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    common.quiet_logging()
+def _main():
     f = flags.FLAGS
     if f.summarize:
         rows = grid.summarize(f.workdir)

@@ -11,7 +11,7 @@ a missing checkpoint ends it with one line naming the key or file. Also
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from palimpsa_jax.commands import common
@@ -25,10 +25,7 @@ def _define_flags():
     flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    common.quiet_logging()
+def _main():
     f = flags.FLAGS
     final = train_and_evaluate(f.config, f.workdir, resume=f.resume)
     for name, value in sorted(final.items()):

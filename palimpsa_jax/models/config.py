@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from palimpsa_jax.kernels import rules
 from palimpsa_jax.layers import registry
-from palimpsa_jax.layers.init import Init
+from palimpsa_jax.layers.init import DEFAULT_INIT, Init
 from palimpsa_jax.layers.memory import PRIOR_FAMILIES
 
 MIXER_NAMES = ("palimpsa_d", "palimpsa_m", "mamba2", "gated_deltanet", "attention")
@@ -70,14 +70,15 @@ class ModelConfig:
     backend: str = "auto"
     chunk_size: int | None = None
     dtype: str = "float32"
-    forget_init: str = "mamba2"
-    a_min: float = 1.0
-    a_max: float = 16.0
-    dt_min: float = 1e-3
-    dt_max: float = 1e-1
-    dt_floor: float = 1e-4
-    init_std: float = 0.02
-    conv_init_std: float | None = None
+    # the initialisation (palimpsa_jax.layers.init.Init, whose defaults these are)
+    forget_init: str = DEFAULT_INIT.forget
+    a_min: float = DEFAULT_INIT.a_min
+    a_max: float = DEFAULT_INIT.a_max
+    dt_min: float = DEFAULT_INIT.dt_min
+    dt_max: float = DEFAULT_INIT.dt_max
+    dt_floor: float = DEFAULT_INIT.dt_floor
+    init_std: float = DEFAULT_INIT.std
+    conv_init_std: float | None = DEFAULT_INIT.conv_std
 
     def __post_init__(self):
         if isinstance(self.mixers, str):

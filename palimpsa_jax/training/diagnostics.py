@@ -15,7 +15,7 @@ from palimpsa_jax.analysis.posterior import final_posterior
 
 Array = jax.Array
 # log10(I / prior) from 0 (the prior) to 4; importance never falls below the prior
-RATIO_EDGES = jnp.linspace(0.0, 4.0, 41)
+RATIO_EDGES = np.linspace(0.0, 4.0, 41)     # numpy: importing this module starts no backend
 HISTOGRAMS = "histogram/"     # keys of histogram counts (not per-head scalars)
 
 
@@ -25,8 +25,9 @@ def metaplasticity(model: nnx.Module, tokens: Array, segment_ids: Array | None =
 
     Keys per layer: memory_window (median over tokens; every recurrent mixer); importance_mean,
     _min, _max, importance_over_prior_min (which the recurrence keeps >= 1),
-    metaplasticity_ratio and b_scale (metaplastic mixers only; b_scale where the beta module has one); and, under "histogram/", the
-    counts of log10(I / prior) in RATIO_EDGES per layer. Attention layers have none.
+    metaplasticity_ratio and b_scale (metaplastic mixers only; b_scale where the beta module
+    has one); and, under "histogram/", the counts of log10(I / prior) in RATIO_EDGES per layer.
+    Attention layers have none.
     """
     out = {}
     for layer, inputs in probe(model, tokens, segment_ids).layers.items():
