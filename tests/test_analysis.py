@@ -34,6 +34,7 @@ def tiny_config(steps=30, **model):
     c.data.update(vocab_size=32, seq_len=16, num_pairs=2, num_train=512, num_test=32,
                   eval_slices=((16, 2),))
     c.batch_size, c.train.steps = 8, steps
+    c.optim.warmup_steps = 5
     c.checkpoint.update(every_steps=15, async_save=False)
     c.log.update(every_steps=5, diagnostics_every_steps=15, progress=False)
     c.eval.update(every_steps=0, batch_size=16)
@@ -260,6 +261,7 @@ def get_config(arg=None):
     c.data.update(vocab_size=32, seq_len=16, num_pairs=2, num_train=256, num_test=16,
                   eval_slices=((16, 2),))
     c.batch_size, c.train.steps = 8, 4
+    c.optim.warmup_steps = 1
     c.checkpoint.every_steps = 0
     c.log.update(every_steps=1, diagnostics_every_steps=2, progress=False)
     c.eval.update(every_steps=0, batch_size=16)

@@ -1,24 +1,26 @@
 """The README's default job (experiments/mqar/palimpsa_d.py, the CPU MQAR job), shortened to
-half its steps (a cosine over 250 instead of 500): it learns the task well above chance.
+300 of its 1,000 steps (the cosine over 300): it reaches the task's plateau well above chance.
 
-Measured with seed 0 on 2 CPU cores: the shortened job ends at test accuracy 0.17 and loss 2.97
-at 64 tokens (chance 1/64, initial loss ln 128 = 4.85), the full job at 0.70 (README
-"Quickstart"); the floors are what the shortened job clears, not what the full one reaches."""
+The full job leaves the plateau at accuracy 1/4 (the values of the sequence recalled, not which
+key they belong to) after 300-700 steps and ends at 0.93-1.00 for every seed measured (README
+"Quickstart"). The shortened job is measured on 2 CPU cores at seed 0: test accuracy 0.232
+and loss 2.38 at 32 tokens (chance about 1/64, initial loss ln 128 = 4.85); the floors
+are what it clears with margin, not what the full job reaches."""
 from palimpsa_jax.experiments.mqar import palimpsa_d
 from palimpsa_jax.training import train_and_evaluate
 
-STEPS = 250
-ACCURACY_FLOOR = 0.1    # 6x chance
-LOSS_CEILING = 3.6      # 1.25 nats below the initial loss
+STEPS = 300
+ACCURACY_FLOOR = 0.15   # about 10x chance
+LOSS_CEILING = 3.0      # 1.85 nats below the initial loss
 
 
 def test_default_job_shortened_learns_the_task(tmp_path):
     config = palimpsa_d.get_config()
-    assert (config.train.steps, config.batch_size, config.data.seq_len) == (500, 32, 64)
+    assert (config.train.steps, config.batch_size, config.data.seq_len) == (1000, 32, 32)
     config.train.steps = STEPS
     config.eval.every_steps = 0
     config.checkpoint.every_steps = 0
     config.log.update(diagnostics_every_steps=0, progress=False)
     final = train_and_evaluate(config, tmp_path)
-    assert final["eval/seq64_pairs4/accuracy"] > ACCURACY_FLOOR, final
-    assert final["eval/seq64_pairs4/loss"] < LOSS_CEILING, final
+    assert final["eval/seq32_pairs4/accuracy"] > ACCURACY_FLOOR, final
+    assert final["eval/seq32_pairs4/loss"] < LOSS_CEILING, final

@@ -10,6 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from palimpsa_jax.analysis import load_run
+from palimpsa_jax.analysis.run import run_config
+from palimpsa_jax.commands.evaluate import evaluate
 from palimpsa_jax.data import write_corpus
 from palimpsa_jax.data.mqar import MQARSource
 from palimpsa_jax.experiments.lm import palimpsa_d as lm_experiment
@@ -25,7 +28,8 @@ TINY = {"train.steps": 6, "batch_size": 8, "data.num_train": 64, "data.num_test"
         "data.eval_slices": [[16, 2]], "eval.batch_size": 16, "eval.every_steps": 2,
         "log.progress": False, "log.every_steps": 1, "log.diagnostics_every_steps": 0,
         "checkpoint.every_steps": 2, "checkpoint.async_save": False, "model.n_layers": 1,
-        "model.d_model": 32, "model.num_heads": 2, "model.head_dim": 8}
+        "model.d_model": 32, "model.num_heads": 2, "model.head_dim": 8,
+        "optim.warmup_steps": 0, "optim.clip_norm": 0.0}
 
 
 def tiny(seed: int, lr: float, **changes):
@@ -108,6 +112,15 @@ def test_materialised_examples_are_the_sources():
         np.testing.assert_array_equal(labels[i], source[i]["labels"])
 
 
+def assert_own_checkpoints(workdir, names, finals):
+    """Each replica's own checkpoint is at its last step and evaluates to its final metrics."""
+    for name, final in zip(names, finals):
+        step, metrics = evaluate(workdir / name, run_config(workdir / name))
+        assert step == final["step"] == load_run(workdir / name).step
+        assert metrics["eval/seq16_pairs2/loss"] == pytest.approx(
+            final["eval/seq16_pairs2/loss"], rel=1e-5)
+
+
 def test_two_replicas_together_equal_each_alone(tmp_path):
     """Every logged metric of a 2-replica vmapped run equals that replica's run alone; with an
     early stop between their first accuracies, the replica that stops keeps its metrics of that
@@ -121,6 +134,8 @@ def test_two_replicas_together_equal_each_alone(tmp_path):
         final = together["ab".index(name)]
         for key in ("eval/accuracy", "eval/seq16_pairs2/loss", "train/loss", "step"):
             assert final[key] == pytest.approx(alone[0][key], rel=2e-5), key
+
+    assert_own_checkpoints(tmp_path, "ab", together)
 
     first = [json.loads(line) for name in "ab"
              for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -136,6 +151,7 @@ def test_two_replicas_together_equal_each_alone(tmp_path):
     assert finals[1 - early]["step"] == 6 and "train/stopped_early" not in finals[1 - early]
     np.testing.assert_allclose(losses(tmp_path / "cd"[1 - early]), losses(tmp_path / "ab"[1 - early]),
                                rtol=2e-5)
+    assert_own_checkpoints(tmp_path, "cd", finals)
 
 
 def test_an_interrupted_group_resumes(tmp_path):

@@ -9,8 +9,9 @@ there; the R replicas' parameters and optimiser states are stacked and trained b
 stop (a finished replica's parameters stop changing). The result of a replica does not depend
 on the others it trains with (tested: two replicas together equal each alone).
 
-Per replica, as a plain run: <point>/config.json, metrics.jsonl, tensorboard/, metrics.json (at
-the end). Per group: <group>/checkpoints/<step> (the stacked state), so an interrupted grid
+Per replica, as a plain run: <point>/config.json, metrics.jsonl, tensorboard/, and at the end
+metrics.json and checkpoints/<its last step> (its parameters, read by `analysis.load_run`,
+palimpsa-analyze and palimpsa-eval). Per group: <group>/checkpoints/<step> (the stacked state), so an interrupted grid
 resumes from its last checkpoint.
 
 Data order: pass p over the N training examples is the permutation of `fold_in(seed, p)`, cut
@@ -320,15 +321,29 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
         progress.close()
         ckpt.close()
     stopped_at = np.asarray(state["stopped_at"])
-    for r, writer in enumerate(writers):
+    for r, (writer, run_dir) in enumerate(zip(writers, run_dirs)):
         if not finals[r]:   # resumed at its end: the last logged values
             records = writer.records()
             finals[r] = {k: v for record in records for k, v in record.items() if k != "step"}
         finals[r]["step"] = int(stopped_at[r]) or int(state["step"])
         if stopped_at[r]:
             finals[r]["train/stopped_early"] = 1.0
+        _save_replica(state, r, finals[r]["step"], run_dir)
         writer.flush()
         writer.close()
         writer.final(finals[r])
     return finals
 
+
+def _save_replica(state: dict, index: int, step: int, run_dir: pathlib.Path) -> None:
+    """Replica `index` of the stacked state, at its last step, as a run checkpoint in run_dir
+    (the launcher's layout), so `analysis.load_run`, palimpsa-analyze and palimpsa-eval read a
+    point of a grid like any run. Not for resuming with palimpsa-train: no data order is saved."""
+    ckpt = checkpoint.Checkpoints(run_dir, every_steps=0, keep=1, async_save=False)
+    try:
+        if ckpt.latest_step() != step:
+            replica = jax.tree.map(lambda x: x[index], {
+                k: state[k] for k in ("params", "constants", "opt_state")})
+            ckpt.save(step, {**replica, "step": jnp.asarray(step, jnp.int32)}, {}, force=True)
+    finally:
+        ckpt.close()
