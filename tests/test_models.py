@@ -22,6 +22,7 @@ from palimpsa_jax.models import (
     preset,
     weight_decay_mask,
 )
+from palimpsa_jax.models.generate import sample
 
 HYBRID = ModelConfig(vocab_size=64, d_model=16, n_layers=3, num_heads=2, head_dim=4, expand_v=2,
                      beta_rank=3, ssm_state=4, ssm_head_dim=8, ssm_groups=2, mlp_hidden=24,
@@ -122,6 +123,42 @@ def test_greedy_generation_follows_the_full_forward(hybrid):
     np.testing.assert_array_equal(generate(hybrid, prompt, 4, top_k=1, rng=jax.random.PRNGKey(1)), new)
     with pytest.raises(ValueError, match="top_k"):
         generate(hybrid, prompt, 4, top_k=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(0.01, 1.0))
+def test_nucleus_sampling_draws_from_the_nucleus_only(seed, top_p):
+    """Every token `sample` draws with top_p lies in the nucleus computed by hand (the most
+    probable tokens whose mass in decreasing order first reaches top_p), and every nucleus token
+    is drawn over many draws; top_p = 1 changes nothing."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=6).astype(np.float32) * 2
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[before < top_p].tolist())
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4000)
+    draw = jax.vmap(lambda key: sample(jnp.asarray(logits)[None], key, temperature=1.0,
+                                       top_k=None, top_p=top_p)[0])
+    drawn = set(np.asarray(draw(keys)).tolist())
+    assert drawn <= nucleus
+    kept = probs[list(nucleus)] / probs[list(nucleus)].sum()
+    if kept.min() > 0.005:                       # each seen with probability > 1 - 1e-8
+        assert drawn == nucleus
+    full = jax.vmap(lambda key: sample(jnp.asarray(logits)[None], key, temperature=1.0,
+                                       top_k=None, top_p=1.0)[0])
+    plain = jax.vmap(lambda key: sample(jnp.asarray(logits)[None], key, temperature=1.0,
+                                        top_k=None)[0])
+    np.testing.assert_array_equal(full(keys[:100]), plain(keys[:100]))
+
+
+def test_generation_with_a_tiny_nucleus_is_greedy(hybrid):
+    prompt = tokens(3, 2, 5)
+    greedy = generate(hybrid, prompt, 4, temperature=0.0)
+    np.testing.assert_array_equal(generate(hybrid, prompt, 4, top_p=1e-6), greedy)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(hybrid, prompt, 4, top_p=0.0)
 
 
 def test_recurrent_cache_does_not_grow_with_length():

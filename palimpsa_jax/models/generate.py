@@ -10,21 +10,32 @@ from flax import nnx
 from palimpsa_jax.models.lm import CausalLM
 
 
-def sample(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None) -> jax.Array:
+def sample(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int | None,
+           top_p: float | None = None) -> jax.Array:
     """Token ids (B,) from logits (B, V): greedy if temperature == 0, else softmax(logits / T)
-    restricted to the top_k largest logits when given."""
+    restricted to the top_k largest logits when given, then to the nucleus when top_p is given:
+    the most probable tokens whose probabilities, taken in decreasing order, first reach top_p
+    (the most probable token always; tokens tied with the last one kept too)."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1:
+        descending = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(descending, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        last = jnp.min(jnp.where(mass_before < top_p, descending, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < last, -jnp.inf, logits)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, rng: jax.Array | None = None) -> jax.Array:
+             top_k: int | None = None, top_p: float | None = None,
+             rng: jax.Array | None = None) -> jax.Array:
     """Continues prompt (B, T) int by max_new_tokens tokens; returns them, (B, max_new_tokens).
+    Sampling as `sample` (temperature, top_k, top_p in (0, 1]).
 
     The recurrent mixers keep a fixed-size state (O(1) memory per new token); attention keeps a
     key-value cache of T + max_new_tokens slots.
@@ -35,17 +46,19 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, tempera
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and not 0 < top_k <= model.config.vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size], got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, jnp.asarray(prompt, jnp.int32), rng, max_new_tokens,
-                     temperature, top_k)
+                     temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, top_k):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, top_k, top_p):
     model = nnx.merge(graphdef, state)
     batch, length = prompt.shape
-    draw = functools.partial(sample, temperature=temperature, top_k=top_k)
+    draw = functools.partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = model.init_cache(batch, length + max_new_tokens)
     logits, cache = model(prompt, cache=cache)
     rngs = jax.random.split(rng, max_new_tokens)
