@@ -11,8 +11,8 @@ on the others it trains with (tested: two replicas together equal each alone).
 
 Per replica, as a plain run: <point>/config.json, metrics.jsonl, tensorboard/, and at the end
 metrics.json and checkpoints/<its last step> (its parameters, read by `analysis.load_run`,
-palimpsa-analyze and palimpsa-eval). Per group: <group>/checkpoints/<step> (the stacked state), so an interrupted grid
-resumes from its last checkpoint.
+palimpsa-analyze and palimpsa-eval). Per group: <group>/checkpoints/<step> (the stacked
+state), so an interrupted grid resumes from its last checkpoint.
 
 Data order: pass p over the N training examples is the permutation of `fold_in(seed, p)`, cut
 into N // B full batches (the remainder of a pass is left out of that pass); schedules and
