@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def to_chunks(x, chunk_size: int):
@@ -145,3 +148,36 @@ def gates(log_alpha, reset):
     A kernel that consumes these gates returns dL/dalpha_t; dL/dlog_alpha_t = dL/dalpha_t · alpha_t.
     """
     return jnp.where(reset, 0.0, jnp.exp(log_alpha.astype(jnp.float32)))
+
+
+def compute_dtype(x):
+    """The dtype of a backend's matrix multiplies for inputs like x: x's own if it is 16-bit
+    (bfloat16, float16; accumulated in float32), else float32."""
+    return x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
+def dot(spec: str, a, b, dtype):
+    """einsum(spec, a, b) -> float32: operands cast to `dtype` (from `compute_dtype`), float32 at
+    HIGHEST precision or 16-bit with float32 accumulation."""
+    precision = _HIGHEST if dtype == jnp.float32 else None
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def chunk_states(carry, local, S0):
+    """The state entering each chunk of the linear recurrence S_c = carry_c S_{c-1} + local_c.
+
+    Args:
+      carry: (N, B, H) float32, what of the entering state survives chunk c (from_start at its
+        last token); local: (N, B, H, Dv, Dk) float32, chunk c's own contribution; S0: (B, H, Dv, Dk).
+    Returns:
+      S_in (N, B, H, Dv, Dk), the state entering each chunk, and S_N, the state after the last.
+    A parallel prefix scan (`lax.associative_scan`): state c depends on chunks <= c only.
+    """
+    def combine(earlier, later):
+        (f1, s1), (f2, s2) = earlier, later
+        return f1 * f2, f2[..., None, None] * s1 + s2
+
+    through, summed = jax.lax.associative_scan(combine, (carry, local))
+    S_out = through[..., None, None] * S0 + summed
+    return jnp.concatenate([S0[None], S_out[:-1]]), S_out[-1]

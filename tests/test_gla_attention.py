@@ -33,8 +33,9 @@ def check_values(backend, x64, shape, chunk_size, seed, with_state, with_segment
                    segment_ids=segment_ids, return_final_state=True, x64=x64)
     o_ref, S_ref = gla_numpy(q, k, v, log_alpha, Dk**-0.5, S0, segment_ids)
     assert o.dtype == v.dtype and S.dtype == jnp.float32
-    assert relative_error(o, o_ref) < (1e-5 if dtype == np.float32 else 8e-3)
-    assert relative_error(S, S_ref) < 1e-5
+    # 16-bit inputs: the chunked backend's matrix multiplies run in 16 bits (float32 sums)
+    tolerance = 1e-5 if dtype == np.float32 else 8e-3
+    assert relative_error(o, o_ref) < tolerance and relative_error(S, S_ref) < tolerance
 
 
 test_matches_float64_numpy, test_matches_float64_numpy_without_x64 = backends.in_both_x64_modes(

@@ -348,3 +348,14 @@ def test_attention_cache_overflow_is_an_error_not_a_silent_overwrite():
         attention(x, cache=cache)
     y, _ = nnx.jit(lambda m, x, c: m(x, cache=c))(attention, x, cache)  # unchecked under jit
     assert np.all(np.isnan(y))
+
+
+def test_attention_uses_cudnn_only_where_it_applies(monkeypatch):
+    from palimpsa_jax.layers import attention
+    assert attention.implementation("auto", jnp.bfloat16, 64) == "xla"          # on this CPU
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    assert attention.implementation("auto", jnp.bfloat16, 64) == "cudnn"
+    assert attention.implementation("auto", jnp.float16, 128) == "cudnn"
+    assert attention.implementation("auto", jnp.float32, 64) == "xla"           # cuDNN: 16-bit
+    assert attention.implementation("auto", jnp.bfloat16, 256) == "xla"         # head_dim <= 128
+    assert attention.implementation("xla", jnp.bfloat16, 64) == "xla"

@@ -18,12 +18,12 @@ and W, so U = U~ - W S_inᵀ. Then
     S_out = from_start_C S_in + sum_s decay[C, s] u_s ⊗ k_s.
 
 Every exponent is g_t - g_s with s <= t or g_t itself (<= 0): no exp of a positive number.
-The chunk body is rematerialised in the backward pass (`jax.checkpoint`), so only the chunk
-inputs and the (B, H, Dv, Dk) state entering each chunk are saved.
+T, U~, W and the products with q are batched matrix multiplies over all chunks at once; only
+U = U~ - W S_inᵀ and S_out need the entering state, a scan over chunks of two matrix multiplies.
+Matrix multiplies run in the inputs' dtype when it is 16-bit (float32 accumulation), else
+float32; T is formed in float32.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,32 +63,33 @@ def _unit_lower_inverse(A):
     return inverse[..., 0, :size, :size]
 
 
-@functools.partial(jax.checkpoint, static_argnums=(2,))
-def _chunk_step(S_in, xs, scale: float):
-    (q, k, v, beta, log_alpha), reset = xs
-    q, k, v, beta, log_alpha = (x.astype(jnp.float32) for x in (q, k, v, beta, log_alpha))
-    (v,), (k, beta, log_alpha), poisoned = chunking.finite_inputs((v,), (k, beta, log_alpha))
-    decay, from_start = chunking.chunk_decays(log_alpha, reset)
-    size, dv = v.shape[-2:]
-    strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
-    gram = jnp.einsum("bhtk,bhsk->bhts", k, k, precision=_HIGHEST)
-    A = jnp.where(strictly_lower, beta[..., :, None] * decay * gram, 0.0)
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * from_start)[..., None] * k], axis=-1)
-    solved = jnp.einsum("bhts,bhsx->bhtx", _unit_lower_inverse(A), rhs, precision=_HIGHEST)
-    U_tilde, W = solved[..., :dv], solved[..., dv:]
-    U = U_tilde - jnp.einsum("bhtk,bhvk->bhtv", W, S_in, precision=_HIGHEST)
-    scores = jnp.einsum("bhtk,bhsk->bhts", q, k, precision=_HIGHEST) * decay
-    o = (jnp.einsum("bhts,bhsv->bhtv", scores, U, precision=_HIGHEST)
-         + from_start[..., None] * jnp.einsum("bhvk,bhtk->bhtv", S_in, q, precision=_HIGHEST))
-    S_out = (from_start[..., -1, None, None] * S_in
-             + jnp.einsum("bhs,bhsv,bhsk->bhvk", decay[..., -1, :], U, k, precision=_HIGHEST))
-    return chunking.poison(S_out, poisoned[..., -1, :]), chunking.poison(scale * o, poisoned)
-
-
 def gated_delta_chunked(q, k, v, beta, log_alpha, S0, reset, *, scale: float,
                         chunk_size: int = DEFAULT_CHUNK_SIZE):
     """Chunked backend; same arguments and returns as `gated_delta_reference`
     (`kernels.gated_deltanet.naive`)."""
-    chunks, reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset, chunk_size)
-    S, o = jax.lax.scan(lambda S_in, xs: _chunk_step(S_in, xs, scale), S0, (chunks, reset))
-    return chunking.from_chunks(o, q.shape[1]), S
+    length, dtype = q.shape[1], chunking.compute_dtype(q)
+    (q, k, v, beta, log_alpha), reset = chunking.split_chunks((q, k, v, beta, log_alpha), reset,
+                                                              chunk_size)
+    beta, log_alpha = beta.astype(jnp.float32), log_alpha.astype(jnp.float32)
+    (v,), (k, beta, log_alpha), poisoned = chunking.finite_inputs((v,), (k, beta, log_alpha))
+    decay, from_start = chunking.chunk_decays(log_alpha, reset)   # (N, B, H, C, C), (N, B, H, C)
+    size = v.shape[-2]
+    strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
+    gram = chunking.dot("...tk,...sk->...ts", k, k, dtype)
+    T = _unit_lower_inverse(jnp.where(strictly_lower, beta[..., :, None] * decay * gram, 0.0))
+    U_tilde = chunking.dot("...ts,...sv->...tv", T, beta[..., None] * v, dtype)
+    W = chunking.dot("...ts,...sk->...tk", T, (beta * from_start)[..., None] * k, dtype)
+    k_to_end = (decay[..., -1, :, None] * k).astype(dtype)
+    carry = from_start[..., -1, None, None]
+
+    def chunk(S_in, xs):      # the only sequential part: U = U~ - W S_inᵀ needs S_in
+        U_tilde, W, k_to_end, carry, poisoned_rows = xs
+        U = U_tilde - chunking.dot("...tk,...vk->...tv", W, S_in, dtype)
+        S_out = carry * S_in + chunking.dot("...sv,...sk->...vk", U, k_to_end, dtype)
+        return chunking.poison(S_out, poisoned_rows), (S_in, U)
+
+    S, (S_in, U) = jax.lax.scan(chunk, S0, (U_tilde, W, k_to_end, carry, poisoned[..., -1, :]))
+    scores = chunking.dot("...tk,...sk->...ts", q, k, dtype) * decay
+    o = (chunking.dot("...ts,...sv->...tv", scores, U, dtype)
+         + from_start[..., None] * chunking.dot("...vk,...tk->...tv", S_in, q, dtype))
+    return chunking.from_chunks(chunking.poison(scale * o, poisoned), length), S

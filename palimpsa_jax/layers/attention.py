@@ -34,13 +34,26 @@ def _check_room(cache: KVCache, length: int) -> None:
                          f"max_length {max_length}, got {length}: use a larger max_length")
 
 
+def implementation(backend: str, dtype, head_dim: int) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for a training forward: "cudnn" (flash
+    attention, no (T, T) scores in memory) when backend is "auto" on a GPU with 16-bit inputs and
+    head_dim <= 128 (what cuDNN supports), else "xla"."""
+    fits = jnp.dtype(dtype).itemsize == 2 and head_dim <= 128
+    return "cudnn" if backend == "auto" and fits and jax.default_backend() == "gpu" else "xla"
+
+
 class Attention(nnx.Module):
     """o_t = W_o softmax(q_t Kᵀ / sqrt(D)) V over earlier tokens of the same segment, with RoPE on
-    q and k at in-segment positions. H heads of head_dim D; no biases."""
+    q and k at in-segment positions. H heads of head_dim D; no biases.
+
+    backend: "auto" runs the cache-free forward through cuDNN's flash attention on GPUs
+    (`implementation`); any other value of the model's kernel backend runs XLA's softmax.
+    """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float = 10000.0,
-                 init: Init = DEFAULT_INIT, dtype=None, rngs: nnx.Rngs):
+                 backend: str = "auto", init: Init = DEFAULT_INIT, dtype=None, rngs: nnx.Rngs):
         self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
+        self.backend = backend
         inner = num_heads * head_dim
         to_heads = functools.partial(linear, d_model, inner, ("embed", "heads"), rngs,
                                      std=init.std, dtype=dtype)
@@ -67,14 +80,14 @@ class Attention(nnx.Module):
         k = rope(split(self.W_k(x)), positions, self.rope_theta)
         v = split(self.W_v(x))
         if cache is None:
-            keys, values, key_index, query_slot = k, v, seg.index, t
-        else:  # cached slots are segment 0 if visible, -1 (never matched) otherwise
-            _check_room(cache, length)
-            write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
-                buffer, new.astype(buffer.dtype), cache.length, axis=1)
-            keys, values = write(cache.k, k), write(cache.v, v)
-            key_index = write(jnp.where(cache.visible, 0, -1), seg.index)
-            query_slot = cache.length + t
+            return self.W_o(self._attend(q, k, v, segment_ids, seg.index)), None
+        # cached slots are segment 0 if visible, -1 (never matched) otherwise
+        _check_room(cache, length)
+        write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
+            buffer, new.astype(buffer.dtype), cache.length, axis=1)
+        keys, values = write(cache.k, k), write(cache.v, v)
+        key_index = write(jnp.where(cache.visible, 0, -1), seg.index)
+        query_slot = cache.length + t
         key_slot = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = ((key_index[:, None, :] == seg.index[:, :, None])
                 & (key_slot[None, None, :] <= query_slot[None, :, None]))       # (B, T, S)
@@ -84,8 +97,6 @@ class Attention(nnx.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         o = jnp.einsum("bhts,bshd->bthd", weights, values.astype(v.dtype))
         y = self.W_o(o.reshape(batch, length, -1))
-        if cache is None:
-            return y, None
         # An overflow that could not be checked eagerly (under jit) poisons y instead of
         # silently overwriting the last slots.
         y = jnp.where(cache.length + length <= keys.shape[1], y, jnp.nan)
@@ -93,3 +104,11 @@ class Attention(nnx.Module):
         new_cache = KVCache(keys, values, written & (key_index == seg.index[:, -1:]),
                             cache.length + length, positions[:, -1] + 1)
         return y, new_cache
+
+    def _attend(self, q: Array, k: Array, v: Array, segment_ids, index: Array) -> Array:
+        """Causal attention within segments without a cache: (B, T, H, D) each -> (B, T, H * D)."""
+        mask = None if segment_ids is None else (index[:, None, :, None] == index[:, None, None, :])
+        o = jax.nn.dot_product_attention(
+            q, k, v.astype(q.dtype), mask=mask, is_causal=True,
+            implementation=implementation(self.backend, q.dtype, self.head_dim))
+        return o.reshape(*o.shape[:2], -1)

@@ -52,7 +52,8 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "mamba2": lambda c, **kw: Mamba2(c.d_model, **_ssm(c), **kw),
     "palimpsa_m": lambda c, **kw: PalimpsaM(c.d_model, **_palimpsa(c), **_ssm(c), **kw),
     "attention": lambda c, **kw: Attention(c.d_model, c.num_heads, c.head_dim,
-                                           rope_theta=c.rope_theta, init=c.init, **kw),
+                                           rope_theta=c.rope_theta, backend=c.backend,
+                                           init=c.init, **kw),
 }
 
 

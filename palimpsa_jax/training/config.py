@@ -9,6 +9,7 @@ raising `ConfigError` (a ValueError) whose message names the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 import ml_collections
@@ -75,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
         every_steps=10,              # TensorBoard scalars and metrics.jsonl
         diagnostics_every_steps=100, # metaplasticity diagnostics (0: off)
         progress=True,               # tqdm progress bar
+        peak_flops=ml_collections.FieldReference(None, field_type=float),
+                                     # dense bf16 peak FLOP/s of one device for train/mfu (None:
+                                     # by device kind, models.flops.PEAK_FLOPS; unknown: no MFU)
     ))
     c.eval = ml_collections.ConfigDict(dict(
         every_steps=200,             # also at the last step (0: only at the end)
@@ -141,6 +145,11 @@ def _check_config(c, mesh_shape: dict[str, int]) -> ModelConfig:
     if c.optim.warmup_steps > c.train.steps:
         raise ValueError(f"optim.warmup_steps ({c.optim.warmup_steps}) must not exceed "
                          f"train.steps ({c.train.steps})")
+    peak = c.log.get("peak_flops")
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                             or not 0 < peak < math.inf):
+        raise ValueError(f"log.peak_flops must be a positive number of FLOP/s per device or "
+                         f"None (by device kind), got {peak!r}")
     stop_at = c.train.early_stop_accuracy
     if stop_at is not None and not 0 < stop_at <= 1:
         raise ValueError(f"train.early_stop_accuracy must be in (0, 1] or None, got {stop_at!r}")

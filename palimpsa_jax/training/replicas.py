@@ -40,7 +40,7 @@ from palimpsa_jax.data.mqar import MQARSource
 from palimpsa_jax.models import CausalLM, weight_decay_mask
 from palimpsa_jax.training import checkpoint, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
-from palimpsa_jax.training.trainer import token_metrics
+from palimpsa_jax.training.trainer import flop_rate, token_metrics
 
 # Keys in which the replicas of one group may differ.
 REPLICA_KEYS = ("seed", "optim.lr")
@@ -138,6 +138,7 @@ class ReplicaGroup:
             raise ConfigError("train.grad_accum: replicas train full batches (set 1)")
         self.model_config = check_config(c, {"data": 1, "fsdp": 1, "tensor": 1})
         self.num = len(self.points)
+        self.flop_rate = flop_rate(c, self.model_config, jax.devices()[:1])
         self.seeds = jnp.asarray([p.seed for p in self.points], jnp.uint32)
         self.lrs = jnp.asarray([p.optim.lr for p in self.points], jnp.float32)
 
@@ -286,8 +287,13 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                 now = time.perf_counter()
                 seconds_per_step = (now - clock) / max(step - clock_step, 1)
                 clock, clock_step = now, step
+                tokens_per_s = c.batch_size * c.data.seq_len / seconds_per_step
                 speed = {"train/seconds_per_step": seconds_per_step,
-                         "train/tokens_per_s": c.batch_size * c.data.seq_len / seconds_per_step}
+                         "train/tokens_per_s": tokens_per_s}
+                # the device's MFU: the tokens of all R replicas (a stopped one still computes)
+                mfu = group.flop_rate.mfu(group.num * tokens_per_s)
+                if mfu is not None:
+                    speed["train/mfu"] = mfu
                 for r, writer in enumerate(writers):
                     if not done[r]:
                         writer.scalars(step, {**{f"train/{k}": v[r] for k, v in values.items()},
@@ -295,7 +301,8 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                         finals[r].update({f"train/{k}": float(v[r]) for k, v in values.items()})
                         finals[r].update(speed)
                 progress.set_postfix(running=f"{int((~done).sum())}/{group.num}",
-                                     s_step=f"{seconds_per_step:.3g}")
+                                     s_step=f"{seconds_per_step:.3g}",
+                                     **({} if mfu is None else {"mfu": f"{mfu:.1%}"}))
             if _is_due(step, c.eval.every_steps, is_last):
                 results = group.evaluate(state)
                 stopping = np.zeros(group.num, bool)

@@ -12,6 +12,7 @@ metrics.jsonl (every logged step), metrics.json (final metrics).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from palimpsa_jax import data, sharding
-from palimpsa_jax.models import CausalLM, count_params, weight_decay_mask
+from palimpsa_jax.models import CausalLM, count_params, flops, weight_decay_mask
 from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 
@@ -63,6 +64,61 @@ def token_metrics(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
     correct = (jnp.argmax(logits, -1) == safe) & scored
     return (jnp.sum(jnp.where(scored, losses, 0.0)), jnp.sum(correct, dtype=jnp.int32),
             jnp.sum(scored, dtype=jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopRate:
+    """What MFU is computed from: the model FLOPs of one training token
+    (`models.flops.train_flops_per_token`) and the peak FLOP/s of all the devices together;
+    either is None when unknown, and then `why` says so and no MFU is logged."""
+    flops_per_token: float | None
+    peak: float | None
+    devices: int
+    why: str           # where the peak came from, or why MFU is not logged
+
+    @property
+    def known(self) -> bool:
+        return self.flops_per_token is not None and self.peak is not None
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOP utilisation at `tokens_per_s` (all devices' tokens), or None."""
+        return flops.mfu(tokens_per_s, self.flops_per_token, self.peak) if self.known else None
+
+    def describe(self) -> str:
+        """The FLOPs per token and the peak used, or why MFU is not logged (for summaries)."""
+        count = ("" if self.flops_per_token is None else
+                 f"{_si(self.flops_per_token, 'FLOP')} per token (train, 3 x forward); ")
+        if not self.known:
+            return f"{count}MFU not logged: {self.why}"
+        return (f"{count}MFU against {_si(self.peak / self.devices, 'FLOP/s')} x "
+                f"{self.devices} device(s) ({self.why})")
+
+
+def _si(value: float, unit: str) -> str:
+    """1.234e9, "FLOP" -> "1.234 GFLOP"."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g} {prefix}{unit}"
+    return f"{value:.4g} {unit}"
+
+
+def flop_rate(config: ml_collections.ConfigDict, model_config, devices) -> FlopRate:
+    """The FlopRate of a run over `devices` (a list of jax devices): the peak per device is
+    config.log.peak_flops, or when None the `models.flops.PEAK_FLOPS` entry of the first
+    device's kind (none for CPUs)."""
+    try:
+        per_token = flops.train_flops_per_token(model_config, config.data.seq_len)
+    except ValueError as e:
+        return FlopRate(None, None, len(devices), str(e))
+    peak = config.log.get("peak_flops")
+    kind = devices[0].device_kind
+    if peak is not None:
+        why = "log.peak_flops"
+    else:
+        peak = flops.peak_flops(kind)
+        why = (f"the peak of a {kind}" if peak is not None else
+               f"no peak FLOP/s known for device kind {kind!r} (set log.peak_flops)")
+    return FlopRate(per_token, None if peak is None else peak * len(devices), len(devices), why)
 
 
 class Trainer:
@@ -112,16 +168,18 @@ class Trainer:
         self.diagnostics_step = jax.jit(self._diagnostics_step, in_shardings=state_and_batch,
                                         out_shardings=self.replicated)
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self.flop_rate = flop_rate(config, self.model_config, list(self.mesh.devices.flat))
 
     def summary(self) -> str:
-        """Devices, mesh, parameter count and tokens per step, for the start of a run."""
+        """Devices, mesh, parameter count, tokens per step and model FLOPs per token (with the
+        peak MFU is measured against), for the start of a run."""
         c = self.config
         devices = jax.devices()
         mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items())
         return (f"{len(devices)} {devices[0].platform} device(s) in {jax.process_count()} "
                 f"process(es); mesh {mesh}; {count_params(self.model_config) / 1e6:.3f}M "
                 f"parameters; {c.batch_size * c.data.seq_len:,} tokens per step "
-                f"({c.batch_size} x {c.data.seq_len})")
+                f"({c.batch_size} x {c.data.seq_len}); {self.flop_rate.describe()}")
 
     # --- state ------------------------------------------------------------------------------
 
@@ -286,10 +344,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                     now = time.perf_counter()
                     throughput = tokens_per_step * (step - clock_step) / (now - clock)
                     clock, clock_step = now, step
+                    speed = {"train/tokens_per_s": throughput}
+                    mfu = trainer.flop_rate.mfu(throughput)
+                    postfix = {"loss": f"{last['train/loss']:.4f}", "tok_s": f"{throughput:.3g}"}
+                    if mfu is not None:
+                        speed["train/mfu"] = mfu
+                        postfix["mfu"] = f"{mfu:.1%}"
                     writer.scalars(step, last)
-                    writer.scalars(step, {"train/tokens_per_s": throughput}, record=False)
-                    final["train/tokens_per_s"] = throughput
-                    progress.set_postfix(loss=f"{last['train/loss']:.4f}", tok_s=f"{throughput:.3g}")
+                    writer.scalars(step, speed, record=False)
+                    final.update(speed)
+                    progress.set_postfix(postfix)
                 if c.log.diagnostics_every_steps and _is_due(step, c.log.diagnostics_every_steps,
                                                              is_last):
                     diag = jax.device_get(trainer.diagnostics_step(state, batch))

@@ -1,0 +1,122 @@
+"""The train-step benchmark (`benchmarks/lm_step.py`): its CPU smoke run reports every model,
+and its profile breakdown classes the device events of a GPU-like trace by the rules it states."""
+import gzip
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import lm_step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# CPU compiles of the four tiny models dominate the run; XLA's unoptimised CPU code halves them.
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+@pytest.mark.smoke
+def test_smoke_small_run_reports_every_model(tmp_path):
+    out = tmp_path / "results.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_CPU_COMPILE}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.lm_step", "--small", "--profile-dir",
+         str(tmp_path / "trace"), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    results = json.loads(out.read_text())
+    assert [r["model"] for r in results["models"]] == [f"{m}-small" for m in lm_step.MODELS]
+    for r in results["models"]:
+        assert sum(row.startswith(f"| {r['model']} |") for row in rows) == 2   # timing, breakdown
+        assert math.isfinite(r["ms_per_step"]) and r["ms_per_step"] > 0
+        assert math.isfinite(r["loss"])
+        profile = r["profile"]
+        assert profile["top_ops"] and sum(profile["classes_ms"].values()) > 0
+    assert results["models"][0]["profile"]["classes_ms"]["recurrent"] > 0
+    assert results["models"][-1]["profile"]["classes_ms"]["attention"] > 0
+    kernels = results["kernels"]
+    assert {(k["op"], k["implementation"]) for k in kernels} >= {("gla", "ours xla"),
+                                                                 ("gated_delta", "ours xla")}
+    assert all(math.isfinite(k["fwd_ms"]) for k in kernels if "error" not in k)
+    assert "fla: skipped" in result.stdout
+
+
+HLO = """HloModule jit__train_step, is_scheduled=true
+
+FileNames
+1 "{kernels}/gla/chunk.py"
+2 "{optax}/_src/transform.py"
+3 "{root}/palimpsa_jax/models/lm.py"
+FunctionNames
+1 "gla_chunked"
+2 "update_fn"
+3 "CausalLM.__call__"
+FileLocations
+1 {{file_name_id=3 function_name_id=3 line=1 end_line=1 column=1 end_column=2}}
+2 {{file_name_id=1 function_name_id=1 line=2 end_line=2 column=1 end_column=2}}
+3 {{file_name_id=2 function_name_id=2 line=3 end_line=3 column=1 end_column=2}}
+StackFrames
+1 {{file_location_id=1 parent_frame_id=1}}
+2 {{file_location_id=2 parent_frame_id=2}}
+3 {{file_location_id=3 parent_frame_id=2}}
+
+%fused_dot (param_0: f32[8,8]) -> f32[8,8] {{
+  %param_0 = f32[8,8]{{1,0}} parameter(0)
+  ROOT %dot.1 = f32[8,8]{{1,0}} dot(%param_0, %param_0), metadata={{stack_frame_id=2}}
+}}
+
+%fused_add (param_0.1: f32[8,8]) -> f32[8,8] {{
+  %param_0.1 = f32[8,8]{{1,0}} parameter(0)
+  ROOT %add.1 = f32[8,8]{{1,0}} add(%param_0.1, %param_0.1), metadata={{stack_frame_id=3}}
+}}
+
+ENTRY %main.9 (p.1: f32[8,8]) -> f32[8,8] {{
+  %p.1 = f32[8,8]{{1,0}} parameter(0)
+  %gemm_fusion_dot.1 = f32[8,8]{{1,0}} fusion(%p.1), kind=kCustom, calls=%fused_dot, metadata={{stack_frame_id=2}}
+  %custom-call.3 = (f32[8,8]{{1,0}}, s8[64]{{0}}) custom-call(%p.1), custom_call_target="__cublas$gemm"
+  %loop_add_fusion = f32[8,8]{{1,0}} fusion(%p.1), kind=kLoop, calls=%fused_add, metadata={{stack_frame_id=3}}
+  ROOT %copy.2 = f32[8,8]{{1,0}} copy(%p.1)
+}}
+"""
+
+
+def test_breakdown_classes_device_events(tmp_path):
+    """Stream events only (not the derived XLA Ops line nor the host); an event is matched by its
+    hlo_op, else by its kernel name; stacks through the kernels package are recurrent, through
+    optax the optimizer; a cuBLAS call is a matmul, a copy a copy; host/idle is the wall time
+    outside the union of the device intervals."""
+    hlo = lm_step.Hlo(HLO.format(kernels=lm_step.KERNELS_DIR, optax=lm_step.OPTAX_DIR, root=ROOT))
+    assert hlo.module == "jit__train_step"
+    assert [f for _, f in hlo.stack(hlo.instructions["loop_add_fusion"].frame)] == [
+        "update_fn", "CausalLM.__call__"]
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    module = {"hlo_module": "jit__train_step"}
+    kernels = [("gemm_fusion_dot_1", "gemm_fusion_dot.1", 0, 3000),          # -> recurrent
+               ("sm90_xmma_gemm_bf16bf16", "custom-call.3", 3000, 6000),    # -> matmul
+               ("loop_add_fusion", "loop_add_fusion", 9000, 1500),          # -> optimizer
+               ("copy_2", None, 12000, 1500)]                               # -> copies, by name
+    events = [{"ph": "X", "pid": 1, "tid": 7, "name": k, "ts": ts, "dur": dur,
+               "args": {**module, **({"hlo_op": op} if op else {})}} for k, op, ts, dur in kernels]
+    events += [{"ph": "X", "pid": 1, "tid": 9, "name": "loop_add_fusion", "ts": 0, "dur": 9e4,
+                "args": {**module, "hlo_op": "loop_add_fusion"}},
+               {"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction", "ts": 0, "dur": 9e4}]
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": meta + events}).encode()))
+
+    steps = lm_step.PROFILED_STEPS
+    result = lm_step.breakdown(tmp_path, hlo, wall_ms=20.0 / steps)
+    per_step = lambda us: us / 1e3 / steps
+    assert result["classes_ms"] == pytest.approx({
+        **dict.fromkeys(lm_step.CLASSES, 0.0), "recurrent": per_step(3000), "matmul": per_step(6000),
+        "optimizer": per_step(1500), "copies": per_step(1500)})
+    assert result["device_busy_ms"] == pytest.approx(per_step(12000))
+    assert result["host_idle_ms"] == pytest.approx(per_step(20000 - 12000))
+    assert [o["op"] for o in result["top_ops"]] == ["custom-call.3", "gemm_fusion_dot.1",
+                                                    "loop_add_fusion", "copy.2"]
