@@ -3,7 +3,7 @@ by side, where its time goes, and flash-linear-attention (fla) beside it when fl
 
     python -m benchmarks.lm_step                                   # 170M presets, batch 8 x 2048
     python -m benchmarks.lm_step --profile-dir /tmp/lm_trace --out results.json
-    python -m benchmarks.lm_step --parts kernels fla_model         # kernels and fla's model only
+    python -m benchmarks.lm_step --parts kernels fla_model         # kernels and fla's model
     python -m benchmarks.lm_step --small                           # tiny models, a CPU smoke run
 
 --time-limit-s starts no new model or kernel case past that many seconds (the report lists what
@@ -735,7 +735,9 @@ def parse_args(argv=None):
     parser.add_argument("--backends", nargs="+",
                         help="our kernel backends beside fla's (default: all registered but "
                              "reference)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["models", "kernels"],
+                        help="fla_model is opt-in: its first steps autotune fla's Triton kernels "
+                             "(on one H200 it had not finished when a 9-minute call ended)")
     parser.add_argument("--repeats", type=int, default=10, help="timed steps / calls")
     parser.add_argument("--profile-dir", type=pathlib.Path,
                         help="trace 3 steps per model here and print where the time goes")
