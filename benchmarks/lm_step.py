@@ -36,6 +36,10 @@ ones fused into it (backward ops keep their forward op's stack), then at opcodes
   matmul       a dot (alone or fused, e.g. Triton GEMM fusions), a cuBLAS custom call, or a
                kernel named gemm, cublas, cutlass, nvjet, xmma or dot
   copies       copy / transpose instructions, fusions of only those, memcpy / memset
+  graph        a command buffer: XLA launches runs of kernels as one CUDA graph, whose trace
+               event cannot be split into its kernels. Profile with
+               XLA_FLAGS=--xla_gpu_enable_command_buffer= (every kernel its own event; the
+               setup lines give XLA_FLAGS, which also apply to the timed steps)
   elementwise  the rest: norms, short convolutions, gates, residuals
 
 host/idle = the traced step's wall time minus the union of its device intervals. Classes sum
@@ -286,7 +290,8 @@ NAMES = {"recurrent": r"palimpsa|gla|delta|pallas", "attention": r"fmha|flash|sd
          "matmul": r"gemm|cublas|cutlass|nvjet|xmma|dot", "copies": r"copy|transpose|memcpy|memset"}
 CLASSES = {"matmul": "matmuls", "attention": "attention", "recurrent": "recurrent kernels",
            "embedding": "embedding lookup", "loss": "loss", "optimizer": "optimizer",
-           "elementwise": "norms/convs/elementwise", "copies": "copies/transposes"}
+           "elementwise": "norms/convs/elementwise", "copies": "copies/transposes",
+           "graph": "CUDA graphs (unsplit)"}
 
 
 def attention_core(stack: tuple) -> bool:
@@ -297,6 +302,8 @@ def attention_core(stack: tuple) -> bool:
 
 def classify(hlo: Hlo, name: str | None, kernel: str) -> str:
     """The op class of a device event (rules in the module docstring)."""
+    if (name or "").startswith("command_buffer"):
+        return "graph"
     opcodes, targets, stacks = hlo.features(name) if name in hlo.instructions else (set(), set(), set())
     names = " ".join([kernel, name or "", *targets]).lower()
     files = {file for stack in stacks for file, _ in stack}
@@ -654,6 +661,7 @@ def setup_lines(args, fla_reason: str | None) -> list[str]:
          f"bf16 compute over float32 master weights, model backend {args.model_backend}; "
          f"median of {args.repeats} steps after one compile"),
         "fla: " + (f"skipped ({fla_reason})" if fla_reason else "run in the same process, first"),
+        f"XLA_FLAGS: {os.environ.get('XLA_FLAGS') or '(unset)'}",
     ]
 
 

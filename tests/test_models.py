@@ -86,6 +86,18 @@ def test_odd_head_dim_for_attention_is_rejected():
         ModelConfig(vocab_size=64, d_model=32, n_layers=1, mixers=("attention",), head_dim=5)
 
 
+@pytest.mark.parametrize("changes", [{}, {"forget_init": "ramp", "conv_init_std": 0.3, "learn_prior": True,
+                                          "prior_family": "synapse", "tie_embeddings": False}])
+def test_eager_construction_draws_the_values_of_a_jitted_one(changes):
+    """Trainer.init_state builds the model eagerly: bitwise the parameters of jit(CausalLM)."""
+    config = ALL_MIXERS.replace(mixers=ALL_MIXERS.mixers + ("rule_mesa",), n_layers=6, **changes)
+    eager = nnx.state(CausalLM(config, rngs=nnx.Rngs(3)))
+    jitted = jax.jit(lambda: nnx.state(CausalLM(config, rngs=nnx.Rngs(3))))()
+    assert jax.tree.structure(eager) == jax.tree.structure(jitted)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_hybrid_layers_follow_the_pattern():
     model = nnx.eval_shape(lambda: CausalLM(ALL_MIXERS, rngs=nnx.Rngs(0)))
     expected = (PalimpsaD, Mamba2, GatedDeltaNet, Attention, PalimpsaM)

@@ -24,7 +24,7 @@ TOKENS = {"170m": 15e9, "340m": 15e9, "760m": 30e9}
 
 def get_config(arg=None):
     c = base_config()
-    c.data = ml_collections.ConfigDict(dict(kind="text", path="", test_path="", eos_id=2,
+    c.data = ml_collections.ConfigDict(dict(kind="text", path="", test_path="", tokenizer="", eos_id=2,
                                             seq_len=256))
     if arg in (None, ""):
         c.model = model_fields(ModelConfig(vocab_size=32000, d_model=256, n_layers=4,

@@ -3,7 +3,9 @@
 Fields read (attribute access on `data`): kind ("mqar" | "text"); mqar: vocab_size, seq_len,
 num_pairs, num_train, num_test, power_a, seed (the examples' content; the shuffle order comes
 from the `seed` argument), eval_slices (optional list of [seq_len, num_pairs]); text: path
-(training corpus), test_path (evaluation corpus, only for split "test"), seq_len, eos_id.
+(training corpus), test_path (evaluation corpus, only for split "test"), seq_len, eos_id. A
+corpus is a .npy file, a glob of shards (`corpus/train-*.npy`, sorted) or a list of them, read as
+one stream (palimpsa_jax.data.text).
 
 Batches are dicts of numpy arrays with leading dim batch_size (per process). shard_index /
 shard_count (jax.process_index() / jax.process_count()) give each process every
@@ -58,7 +60,7 @@ def make_dataset(data_config, *, split: str, batch_size: int, seed: int, shard_i
             path = getattr(data_config, "test_path", None)
             if not path:
                 raise ValueError("data.test_path must name the evaluation corpus for split 'test'")
-            with _prefixed("data."):
+            with _prefixed("data.", (("path", "test_path"),)):
                 rows = grain.MapDataset.source(text.PackedRows(path, data_config.eos_id, data_config.seq_len))
             return _eval_batches(rows, text.padding_row(data_config.seq_len), batch_size,
                                  shard_index, shard_count)

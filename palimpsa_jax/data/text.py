@@ -1,9 +1,12 @@
 """Packed language-model text over a local corpus of token ids (nothing is ever downloaded).
 
-Corpus format: one `.npy` file holding a 1-D array of token ids (uint16, uint32 or int32; ids
-below 2^31), read memory-mapped. Every document is followed by `eos_id`, which belongs to the
+Corpus format: `.npy` files holding 1-D arrays of token ids (uint16, uint32 or int32; ids below
+2^31), read memory-mapped. A corpus is one file, a glob of shards (`corpus/train-*.npy`, taken in
+sorted order) or a list of files and globs (in its order): the files are one stream of tokens, as
+if concatenated (`corpus_files`). Every document is followed by `eos_id`, which belongs to the
 document it ends (so the model learns to predict it); a final run of tokens without an `eos_id`
-is a document too. `write_corpus` writes this format.
+is a document too. `write_corpus` writes one file; `palimpsa-prepare` (palimpsa_jax.data.prepare)
+writes shards from text.
 
 Packing is concat-then-split: documents are concatenated in stream order and cut into rows of
 seq_len tokens; only the last row of a finite stream is padded. A row is
@@ -14,11 +17,14 @@ seq_len tokens; only the last row of a finite stream is padded. A row is
     segment_ids  int32 (T,)  the documents (or pieces of documents) of the row numbered from 1,
                              0 on padding.
 `pack` does this with grain's ConcatThenSplitIterDataset for a (shuffled, repeated) stream of
-`Documents`; `PackedRows` gives the rows of the corpus in file order by random access (the same
-rows `pack` makes from the documents in file order), used for single-pass evaluation.
+`Documents`; `PackedRows` gives the rows of the corpus in stream order by random access (the same
+rows `pack` makes from the documents in stream order; a row may span two files), used for
+single-pass evaluation.
 """
 from __future__ import annotations
 
+import glob
+import os
 import pathlib
 
 import grain
@@ -46,8 +52,27 @@ def write_corpus(path, documents, *, eos_id: int) -> pathlib.Path:
     return path
 
 
+def corpus_files(path, name: str = "path") -> list[str]:
+    """The files of the corpus `path`: a file, a glob pattern (its matches, sorted; `**` recurses)
+    or a list of files and patterns (in its order). A pattern matching nothing is a ValueError
+    naming `name`; a plain file is not checked here (np.load reports it missing)."""
+    patterns = [path] if isinstance(path, str | os.PathLike) else list(path)
+    if not patterns:
+        raise ValueError(f"{name} names no file (an empty list)")
+    files = []
+    for pattern in map(os.fspath, patterns):
+        if glob.escape(pattern) == pattern:
+            files.append(pattern)
+            continue
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise ValueError(f"{name} {pattern!r} matches no file")
+        files.extend(matches)
+    return files
+
+
 def load_tokens(path) -> np.ndarray:
-    """The corpus's token ids (N,), memory-mapped."""
+    """The token ids (N,) of one corpus file, memory-mapped."""
     tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ValueError(f"path {path} must hold a 1-D integer array (got {tokens.dtype} {tokens.shape})")
@@ -55,22 +80,49 @@ def load_tokens(path) -> np.ndarray:
 
 
 class _MappedCorpus:
-    """Holds the memory-mapped corpus; pickles as its path (grain's worker processes reopen it)."""
+    """The corpus's files as one stream of tokens, memory-mapped; pickles as its paths (grain's
+    worker processes reopen them).
+
+    paths: the files in stream order; shards: their memory-mapped token ids; offsets: int64 (S+1,)
+    the stream position where each file starts, then the stream's length.
+    """
 
     def __init__(self, path):
-        self.path = str(path)
-        self.tokens = load_tokens(self.path)
+        self.paths = corpus_files(path)
+        self._open()
+
+    def _open(self):
+        self.shards = [load_tokens(path) for path in self.paths]
+        self.offsets = np.cumsum([0, *map(len, self.shards)], dtype=np.int64)
 
     def __getstate__(self) -> dict:
-        return {name: value for name, value in self.__dict__.items() if name != "tokens"}
+        return {name: value for name, value in self.__dict__.items() if name != "shards"}
 
     def __setstate__(self, state: dict):
         self.__dict__.update(state)
-        self.tokens = load_tokens(self.path)
+        self._open()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The token ids (N,): the memory-mapped file of a one-file corpus, else read into memory."""
+        return self.shards[0] if len(self.shards) == 1 else np.concatenate(self.shards)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """int64 (n,): the stream's tokens [start, stop), cut at its end, across files."""
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1    # files [first, last)
+        last = int(np.searchsorted(self.offsets, stop, side="left"))            # overlap [start, stop)
+        pieces = [shard[max(start - offset, 0):stop - offset]
+                  for shard, offset in zip(self.shards[first:last], self.offsets[first:last])]
+        return np.concatenate([np.zeros(0, np.int64), *pieces], dtype=np.int64)
 
 
 class Documents(_MappedCorpus):
-    """The corpus's documents (a grain RandomAccessDataSource).
+    """The documents of the corpus `path` (a file, glob or list: `corpus_files`), a grain
+    RandomAccessDataSource; a document may span two files.
 
     [i] -> {"tokens": int32 (n_i,), "labels": int32 (n_i,)} with labels = the next token of
     document i and -100 at its last token.
@@ -79,24 +131,26 @@ class Documents(_MappedCorpus):
     def __init__(self, path, eos_id: int):
         check_int("eos_id", eos_id, 0)
         super().__init__(path)
-        ends = [start + np.flatnonzero(self.tokens[start:start + _SCAN_BLOCK] == eos_id) + 1
-                for start in range(0, len(self.tokens), _SCAN_BLOCK)]
-        ends = np.concatenate(ends or [np.zeros(0, np.int64)]).astype(np.int64)
-        unterminated = len(self.tokens) > 0 and self.tokens[-1] != eos_id
-        self.ends = np.append(ends, len(self.tokens)) if unterminated else ends
+        ends = [offset + start + np.flatnonzero(shard[start:start + _SCAN_BLOCK] == eos_id) + 1
+                for shard, offset in zip(self.shards, self.offsets)
+                for start in range(0, len(shard), _SCAN_BLOCK)]
+        ends = np.concatenate([np.zeros(0, np.int64), *ends], dtype=np.int64)
+        n = self.num_tokens
+        unterminated = n > 0 and self.read(n - 1, n)[0] != eos_id
+        self.ends = np.append(ends, n) if unterminated else ends
         self.starts = np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        tokens = np.asarray(self.tokens[self.starts[index]:self.ends[index]], np.int32)
+        tokens = self.read(self.starts[index], self.ends[index]).astype(np.int32)
         labels = np.append(tokens[1:], np.int32(IGNORE))
         return {"tokens": tokens, "labels": labels}
 
 
 class PackedRows(_MappedCorpus):
-    """The corpus in file order cut into rows of seq_len tokens (random access; layout above)."""
+    """The corpus in stream order cut into rows of seq_len tokens (random access; layout above)."""
 
     def __init__(self, path, eos_id: int, seq_len: int):
         check_int("eos_id", eos_id, 0)
@@ -106,13 +160,13 @@ class PackedRows(_MappedCorpus):
         self.seq_len = int(seq_len)
 
     def __len__(self) -> int:
-        return -(-len(self.tokens) // self.seq_len)
+        return -(-self.num_tokens // self.seq_len)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= int(index) < len(self):
             raise IndexError(f"row {index} out of range for {len(self)} rows")
         start = int(index) * self.seq_len
-        window = np.asarray(self.tokens[start:start + self.seq_len + 1], np.int64)
+        window = self.read(start, start + self.seq_len + 1)
         n = min(self.seq_len, len(window))
         piece = window[:n]
         is_end = piece == self.eos_id

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from palimpsa_jax.layers.init import initializers, linear, param, uniform
+from palimpsa_jax.layers.init import initializers, linear, normal, param, uniform
 
 Array = jax.Array
 
@@ -170,7 +170,7 @@ class ShortConv(nnx.Module):
     def __init__(self, channels: int, width: int = 4, *, bias: bool = False,
                  std: float | None = None, rngs: nnx.Rngs):
         self.width = width
-        weight_init = uniform(1.0 / math.sqrt(width)) if std is None else initializers.normal(std)
+        weight_init = uniform(1.0 / math.sqrt(width)) if std is None else normal(std)
         self.weight = param(weight_init, (width, channels), ("conv", "heads"), rngs)
         self.bias = (param(initializers.zeros_init(), (channels,), ("heads",), rngs,
                            weight_decay=False) if bias else None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,12 @@ def sample(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int 
 
 
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
-             rng: jax.Array | None = None) -> jax.Array:
+             top_k: int | None = None, top_p: float | None = None, rng: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
     """Continues prompt (B, T) int by max_new_tokens tokens; returns them, (B, max_new_tokens).
-    Sampling as `sample` (temperature, top_k, top_p in (0, 1]).
+    Sampling as `sample` (temperature, top_k, top_p in (0, 1]). segment_ids (B, T) int of the
+    prompt, e.g. 0 on left padding and 1 on the prompt, so that the memory starts at the prompt
+    (default: one segment); the new tokens continue the prompt's last segment.
 
     The recurrent mixers keep a fixed-size state (O(1) memory per new token); attention keeps a
     key-value cache of T + max_new_tokens slots.
@@ -50,17 +53,17 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, tempera
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, jnp.asarray(prompt, jnp.int32), rng, max_new_tokens,
+    return _generate(graphdef, state, jnp.asarray(prompt, jnp.int32), segment_ids, rng, max_new_tokens,
                      temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8))
+def _generate(graphdef, state, prompt, segment_ids, rng, max_new_tokens, temperature, top_k, top_p):
     model = nnx.merge(graphdef, state)
     batch, length = prompt.shape
     draw = functools.partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = model.init_cache(batch, length + max_new_tokens)
-    logits, cache = model(prompt, cache=cache)
+    logits, cache = model(prompt, segment_ids=segment_ids, cache=cache)
     rngs = jax.random.split(rng, max_new_tokens)
     first = draw(logits[:, -1], rngs[0])
 
@@ -72,3 +75,50 @@ def _generate(graphdef, state, prompt, rng, max_new_tokens, temperature, top_k, 
 
     _, rest = jax.lax.scan(step, (first, cache), rngs[1:])
     return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def until_eos(tokens, eos_id: int) -> list[int]:
+    """The ids of tokens (N,) before the first eos_id (all of them when there is none)."""
+    tokens = [int(t) for t in tokens]
+    return tokens[:tokens.index(eos_id)] if eos_id in tokens else tokens
+
+
+def generate_text(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int, *,
+                  num_samples: int = 1, **sampling) -> list[str]:
+    """num_samples continuations of the text prompt (one batch, `generate` with `sampling`:
+    temperature, top_k, top_p, rng), each decoded up to its first `tokenizer.eos_id`.
+
+    A continuation is decode(prompt ids + new ids) less decode(prompt ids), so that tokenizers
+    whose pieces carry the space before them (SentencePiece) keep it at the seam.
+    """
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+    new = generate(model, jnp.tile(jnp.asarray(ids, jnp.int32), (num_samples, 1)), max_new_tokens,
+                   **sampling)
+    head = tokenizer.decode(ids)
+    return [tokenizer.decode(ids + until_eos(row, tokenizer.eos_id))[len(head):] for row in new]
+
+
+def throughput(model: CausalLM, prompt: jax.Array, max_new_tokens: int, **sampling) -> dict[str, float]:
+    """Seconds and tokens/s of `generate(model, prompt (B, T), max_new_tokens, **sampling)`,
+    prefill and decode apart, each timed on a second call (the first one compiles):
+
+    prefill: generate(..., 1), the prompt's forward and the first token, B * T tokens;
+    decode: generate(..., max_new_tokens) less the prefill, (max_new_tokens - 1) steps of B tokens
+    (omitted when max_new_tokens == 1).
+    """
+    batch, length = prompt.shape
+
+    def seconds(new_tokens: int) -> float:
+        jax.block_until_ready(generate(model, prompt, new_tokens, **sampling))
+        start = time.perf_counter()
+        jax.block_until_ready(generate(model, prompt, new_tokens, **sampling))
+        return time.perf_counter() - start
+
+    prefill = seconds(1)
+    out = {"prefill_s": prefill, "prefill_tokens_per_s": batch * length / prefill}
+    if max_new_tokens > 1:
+        step = max(seconds(max_new_tokens) - prefill, 1e-9) / (max_new_tokens - 1)
+        out.update(decode_s_per_step=step, decode_tokens_per_s=batch / step)
+    return out

@@ -21,7 +21,7 @@ from palimpsa_jax.layers import (
     registry,
 )
 from palimpsa_jax.layers.common import embedding_lookup
-from palimpsa_jax.layers.init import initializers
+from palimpsa_jax.layers.init import normal
 from palimpsa_jax.models.config import RULE_PREFIX, ModelConfig
 
 Array = jax.Array
@@ -106,7 +106,7 @@ class CausalLM(nnx.Module):
         dtype = config.compute_dtype
         self.embed = nnx.Embed(
             config.vocab_size, config.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-            embedding_init=nnx.with_partitioning(initializers.normal(config.init_std),
+            embedding_init=nnx.with_partitioning(normal(config.init_std),
                                                  ("vocab", "embed"), eager_sharding=False))
         self.blocks = nnx.List([Block(config, mixer, rngs=rngs) for mixer in config.layer_mixers])
         final_norm = RMSNorm if config.final_norm == "rmsnorm" else LayerNorm
@@ -114,7 +114,7 @@ class CausalLM(nnx.Module):
         self.head = None if config.tie_embeddings else nnx.Linear(
             config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
             param_dtype=jnp.float32, rngs=rngs,
-            kernel_init=nnx.with_partitioning(initializers.normal(config.init_std),
+            kernel_init=nnx.with_partitioning(normal(config.init_std),
                                               ("embed", "vocab"), eager_sharding=False))
 
     def init_cache(self, batch: int, max_length: int, dtype=None) -> tuple:

@@ -203,8 +203,24 @@ def _check_data(d, model: ModelConfig) -> None:
         raise ValueError(f"data.vocab_size ({d.vocab_size}) must equal model.vocab_size "
                          f"({model.vocab_size})")
     if d.kind == "text" and not d.get("path"):
-        raise ValueError("data.path must name the training corpus (a .npy file of token ids; "
-                         "see palimpsa_jax.data.write_corpus)")
+        raise ValueError("data.path must name the training corpus (a .npy file of token ids or a "
+                         "glob of shards; see palimpsa-prepare and palimpsa_jax.data.write_corpus)")
+    if d.kind == "text":
+        from palimpsa_jax.data.text import corpus_files
+
+        for key in ("path", "test_path"):
+            if d.get(key):
+                corpus_files(d[key], name=f"data.{key}")   # a glob must match a file
+    if d.kind == "text" and d.get("tokenizer"):
+        from palimpsa_jax.data.tokenizer import Tokenizer
+
+        try:
+            tokenizer = Tokenizer(d.tokenizer, eos_id=d.eos_id)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"data.tokenizer: {e}") from None
+        if tokenizer.vocab_size > model.vocab_size:
+            raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} ids, more than "
+                             f"model.vocab_size ({model.vocab_size})")
     seq_len = d.get("seq_len")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"data.seq_len must be a positive integer, got {seq_len!r}")

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from palimpsa_jax import data, sharding
+from palimpsa_jax.data.tokenizer import Tokenizer
 from palimpsa_jax.models import CausalLM, count_params, flops, weight_decay_mask
 from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
@@ -167,7 +168,8 @@ class Trainer:
                                  out_shardings=self.replicated)
         self.diagnostics_step = jax.jit(self._diagnostics_step, in_shardings=state_and_batch,
                                         out_shardings=self.replicated)
-        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self._init = jax.jit(self._init_state, in_shardings=(shardings["params"], shardings["constants"]),
+                             out_shardings=self.state_shardings, donate_argnums=(0, 1))
         self.flop_rate = flop_rate(config, self.model_config, list(self.mesh.devices.flat))
 
     def summary(self) -> str:
@@ -183,15 +185,21 @@ class Trainer:
 
     # --- state ------------------------------------------------------------------------------
 
-    def _init_state(self) -> dict:
-        model = CausalLM(self.model_config, rngs=nnx.Rngs(self.config.seed))
-        _, params, constants = nnx.split(model, nnx.Param, ...)
+    def _init_state(self, params, constants) -> dict:
         return {"params": params, "constants": constants, "opt_state": self.tx.init(params),
                 "step": jnp.zeros((), jnp.int32)}
 
     def init_state(self) -> dict:
-        """Fresh parameters (from config.seed) and optimiser state, sharded."""
-        return self._init()
+        """Fresh parameters (from config.seed) and optimiser state, sharded.
+
+        The model is built eagerly, each initializer compiled once per shape (bitwise the values
+        of a jit of the whole construction, `layers.init`, which takes minutes to compile on a
+        GPU), on one device of each process, then placed shard by shard."""
+        model = CausalLM(self.model_config, rngs=nnx.Rngs(self.config.seed))
+        _, params, constants = nnx.split(model, nnx.Param, ...)
+        place = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+        return self._init(jax.tree.map(place, params, self.state_shardings["params"]),
+                          jax.tree.map(place, constants, self.state_shardings["constants"]))
 
     def model(self, state: dict) -> nnx.Module:
         return nnx.merge(self.graphdef, state["params"], state["constants"])
@@ -276,7 +284,8 @@ class Trainer:
 
 
 def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
-    """Creates workdir and config.json, or checks a resumed run's config against its own."""
+    """Creates workdir and config.json (and a copy of data.tokenizer), or checks a resumed run's
+    config against its own."""
     saved_path = workdir / "config.json"
     resolved = json.loads(config.to_json_best_effort())
     if resume:
@@ -293,6 +302,8 @@ def _prepare_workdir(workdir: pathlib.Path, config, resume: bool) -> None:
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         saved_path.write_text(json.dumps(resolved, indent=2) + "\n")
+        if config.data.get("tokenizer"):     # evaluation and generation decode with it
+            Tokenizer(config.data.tokenizer, eos_id=config.data.eos_id).save(workdir)
 
 
 def _is_due(step: int, every: int, is_last: bool) -> bool:
