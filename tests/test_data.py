@@ -261,7 +261,7 @@ def test_sources_pickle_as_their_path(tmp_path):
         data = pickle.dumps(source)
         assert len(data) < 2000
         copy = pickle.loads(data)
-        assert isinstance(copy.tokens, np.memmap) and len(copy) == len(source)
+        assert all(isinstance(shard, np.memmap) for shard in copy.shards) and len(copy) == len(source)
         assert all(np.array_equal(copy[2][k], source[2][k]) for k in source[2])
 
 

@@ -106,11 +106,6 @@ class _MappedCorpus:
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
 
-    @property
-    def tokens(self) -> np.ndarray:
-        """The token ids (N,): the memory-mapped file of a one-file corpus, else read into memory."""
-        return self.shards[0] if len(self.shards) == 1 else np.concatenate(self.shards)
-
     def read(self, start: int, stop: int) -> np.ndarray:
         """int64 (n,): the stream's tokens [start, stop), cut at its end, across files."""
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1    # files [first, last)
