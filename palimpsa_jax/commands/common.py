@@ -14,20 +14,36 @@ from palimpsa_jax.training.config import ConfigError
 USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
 
 
+def _unknown_key(e: Exception, argv: list[str]):
+    """Exits with status 1 and one line naming the `--config.<key>` that ml_collections did not
+    know (its KeyError or AttributeError `e`)."""
+    while e.args and isinstance(e.args[0], BaseException):
+        e = e.args[0]
+    detail = str(e.args[0] if e.args else e).replace("\n", "; ")
+    unknown = re.match(r"'(\w+)'", detail)
+    keys = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    culprits = [k for k in keys if unknown and unknown[1] in k.split(".")[1:]] or keys
+    sys.stderr.write(f"FATAL Flags parsing error: {', '.join(culprits)}: unknown config key "
+                     f"({detail})\n")
+    sys.exit(1)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with an unknown `--config.<key>` reported like other flag errors."""
     try:
         return app.parse_flags_with_usage(argv)
     except (KeyError, AttributeError) as e:        # ml_collections' unknown key
-        while e.args and isinstance(e.args[0], BaseException):
-            e = e.args[0]
-        detail = str(e.args[0] if e.args else e).replace("\n", "; ")
-        unknown = re.match(r"'(\w+)'", detail)
-        keys = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
-        culprits = [k for k in keys if unknown and unknown[1] in k.split(".")[1:]] or keys
-        sys.stderr.write(f"FATAL Flags parsing error: {', '.join(culprits)}: unknown config key "
-                         f"({detail})\n")
-        sys.exit(1)
+        _unknown_key(e, argv)
+
+
+def define_config(define: Callable, name: str, default, help_text: str) -> None:
+    """config_flags.DEFINE_config_file or DEFINE_config_dict with a default: ml_collections
+    applies the command line's `--config.<key>` overrides to it at once, so an unknown key is
+    reported here as `parse_flags` reports it."""
+    try:
+        define(name, default, help_text)
+    except (KeyError, AttributeError) as e:
+        _unknown_key(e, sys.argv)
 
 
 def quiet_logging() -> None:

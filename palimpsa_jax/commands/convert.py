@@ -35,8 +35,8 @@ def _define_flags():
     flags.DEFINE_string("workdir", None, "Directory of the run.")
     flags.DEFINE_string("tokenizer", None, "With --from: the tokenizer file (default: the checkpoint's "
                         "tokenizer.json or tokenizer.model, if any).")
-    config_flags.DEFINE_config_file("config", str(pathlib.Path(palimpsa_d.__file__)),
-                                    "With --from: the experiment file of the run, path.py[:arg].")
+    common.define_config(config_flags.DEFINE_config_file, "config", str(pathlib.Path(palimpsa_d.__file__)),
+                         "With --from: the experiment file of the run, path.py[:arg].")
     flags.mark_flag_as_required("workdir")
 
     @flags.multi_flags_validator(["from", "to"])

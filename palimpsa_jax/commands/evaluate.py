@@ -132,8 +132,8 @@ def main():
     flags.DEFINE_integer("max_length", None, "With --tasks: most tokens per forward (default: "
                          "the run's data.seq_len).", lower_bound=1)
     flags.mark_flag_as_required("workdir")
-    config_flags.DEFINE_config_dict("config", base if base is not None else ConfigDict(),
-                                    "The run's config; override keys with --config.<key>=<value>.")
+    common.define_config(config_flags.DEFINE_config_dict, "config", base if base is not None else ConfigDict(),
+                         "The run's config; override keys with --config.<key>=<value>.")
     common.run(_main)
 
 

@@ -27,7 +27,6 @@ import math
 import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -237,21 +236,6 @@ def mamba2_model(directory: str | os.PathLike, **changes) -> CausalLM:
 
 # --- a run directory ---------------------------------------------------------------------
 
-# workdir/experiment.py: the run's config.json as an experiment file, for palimpsa-train --resume.
-EXPERIMENT_FILE = '''"""The config of this imported run (its config.json), for fine-tuning:
-
-    palimpsa-train --config {workdir}/experiment.py --workdir {workdir} --resume --config.train.steps=N
-"""
-import pathlib
-
-from palimpsa_jax.analysis.run import run_config
-
-
-def get_config(arg=None):
-    return run_config(pathlib.Path(__file__).parent)
-'''
-
-
 def _eos_id(directory: pathlib.Path) -> int | None:
     """The end-of-document id a transformers config.json names (None: let the tokenizer say)."""
     eos = _read_json(directory / "config.json").get("eos_token_id")
@@ -265,15 +249,11 @@ def import_mamba2(directory: str | os.PathLike, workdir: str | os.PathLike,
 
     experiment: the run's config (e.g. experiments/lm/palimpsa_d.py's, with data.path set: every
     run needs its corpus); its model's ARCHITECTURE fields become the checkpoint's, the others
-    (backend, chunk_size, dtype) stay. The run holds config.json, checkpoints/0 (the parameters,
-    a fresh optimiser state, the data iterator at its start), the tokenizer (`tokenizer`, else
-    directory/tokenizer.json or tokenizer.model, if any; data.tokenizer and data.eos_id then
-    name it) and experiment.py, with which `palimpsa-train --resume` fine-tunes it.
+    (backend, chunk_size, dtype) stay. The run is `training.warm_start.write_warm_start`'s, with
+    the tokenizer `tokenizer`, else directory/tokenizer.json or tokenizer.model, if any.
     """
-    from palimpsa_jax import data
-    from palimpsa_jax.data.tokenizer import FILE_NAMES, Tokenizer
-    from palimpsa_jax.training import checkpoint, model_fields
-    from palimpsa_jax.training.trainer import Trainer
+    from palimpsa_jax.training import model_fields
+    from palimpsa_jax.training.warm_start import write_warm_start
 
     directory, workdir = pathlib.Path(directory), pathlib.Path(workdir)
     if (workdir / "config.json").exists():
@@ -282,31 +262,20 @@ def import_mamba2(directory: str | os.PathLike, workdir: str | os.PathLike,
     config, params = load_mamba2(directory, **run_model)
     c = ml_collections.ConfigDict(experiment.to_dict())
     c.model = model_fields(config)
-    if tokenizer is None:
-        tokenizer = next((directory / name for name in FILE_NAMES.values() if (directory / name).is_file()), None)
-    if tokenizer is not None:
-        tokenizer = Tokenizer(tokenizer, eos_id=_eos_id(directory))
-        c.data.tokenizer, c.data.eos_id = str(tokenizer.path), tokenizer.eos_id
-    trainer = Trainer(c)                       # checks the config (ConfigError naming the key)
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     nnx.update(model, params)
-    _, params, constants = nnx.split(model, nnx.Param, ...)   # mamba2 layers: no constants
-    state = {"params": params, "constants": constants, "opt_state": trainer.tx.init(params),
-             "step": jnp.zeros((), jnp.int32)}
-    batches = iter(data.make_dataset(c.data, split="train", batch_size=c.batch_size // jax.process_count(),
-                                     seed=c.seed, shard_index=jax.process_index(),
-                                     shard_count=jax.process_count()))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:                  # the run's copy is the one its tools read
-        c.data.tokenizer = str(tokenizer.save(workdir).resolve())
-    (workdir / "config.json").write_text(json.dumps(json.loads(c.to_json_best_effort()), indent=2) + "\n")
-    (workdir / "experiment.py").write_text(EXPERIMENT_FILE.format(workdir=workdir))
-    ckpt = checkpoint.Checkpoints(workdir, every_steps=0, keep=1, async_save=False)
-    try:
-        ckpt.save(0, state, batches.get_state(), force=True)
-    finally:
-        ckpt.close()
-    return workdir
+    return write_warm_start(workdir, c, model, tokenizer=checkpoint_tokenizer(directory, tokenizer))
+
+
+def checkpoint_tokenizer(directory: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
+    """The `data.Tokenizer` of `tokenizer`, else of directory/tokenizer.json or tokenizer.model
+    (with the end-of-document id the transformers config.json names), or None if there is none."""
+    from palimpsa_jax.data.tokenizer import FILE_NAMES, Tokenizer
+
+    directory = pathlib.Path(directory)
+    if tokenizer is None:
+        tokenizer = next((directory / name for name in FILE_NAMES.values() if (directory / name).is_file()), None)
+    return None if tokenizer is None else Tokenizer(tokenizer, eos_id=_eos_id(directory))
 
 
 # --- out ---------------------------------------------------------------------------------
