@@ -18,7 +18,7 @@ from palimpsa_jax.analysis.run import load_run
 from palimpsa_jax.data.text import write_corpus
 from palimpsa_jax.models import CausalLM, ModelConfig
 from palimpsa_jax.models.mamba2_import import export_mamba2
-from palimpsa_jax.models.surgery import choose_layers, layer_windows, probe_rows
+from palimpsa_jax.models.surgery import choose_layers, converted_config, layer_windows, probe_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCE = ModelConfig(vocab_size=64, d_model=32, n_layers=4, mixers=("mamba2",), ssm_state=16,
@@ -109,6 +109,21 @@ def test_explicit_layers_and_errors_name_the_argument():
                                ("weakest:0", "1 to 3"), ("half", "weakest:K, all, none")):
         with pytest.raises(ValueError, match=f"layers.*{message}|{message}"):
             choose_layers(selection, windows, mixers)
+
+
+def test_converted_config_lists_every_layer_and_guards_metaplasticity():
+    config = converted_config(SOURCE.replace(metaplasticity=False), (0, 2), beta_rank=8, dtype="bfloat16")
+    assert config.layer_mixers == ("palimpsa_m", "mamba2", "palimpsa_m", "mamba2")
+    assert config.metaplasticity and config.beta_rank == 8 and config.dtype == "bfloat16"
+    assert config.replace(mixers=SOURCE.mixers, metaplasticity=False, beta_rank=SOURCE.beta_rank,
+                          dtype=SOURCE.dtype) == SOURCE.replace(metaplasticity=False)
+    hybrid = SOURCE.replace(mixers=("palimpsa_d", "mamba2"), metaplasticity=False)
+    with pytest.raises(ValueError, match=r"metaplasticity=False and \['palimpsa_d'\] layers"):
+        converted_config(hybrid, (1,))
+    with pytest.raises(ValueError, match=r"model: \['d_model'\] are fixed"):
+        converted_config(SOURCE, (1,), d_model=64)
+    with pytest.raises(ValueError, match="model.metaplasticity must be True"):
+        converted_config(SOURCE, (1,), metaplasticity=False)
 
 
 def test_surgery_keeps_the_backbone_and_without_beta_is_the_original(pretrained, tmp_path):

@@ -80,13 +80,21 @@ def choose_layers(selection: str, windows: np.ndarray, mixers: tuple[str, ...]) 
 def converted_config(source: ModelConfig, layers: tuple[int, ...], **memory) -> ModelConfig:
     """source with `layers` switched to palimpsa_m (mixers listed per layer) and `memory` the
     fields that are not the checkpoint's (beta_rank, prior_family, learn_prior, beta_rule,
-    backend, chunk_size, dtype, init), of which metaplasticity must stay True."""
+    backend, chunk_size, dtype, init), of which metaplasticity must be True. A source whose
+    ModelConfig.metaplasticity is False converts only if no other layer reads that flag (Palimpsa
+    layers without metaplasticity would turn metaplastic with it)."""
     fixed = sorted(set(memory) & set(ARCHITECTURE))
     if fixed:
         raise ValueError(f"model: {fixed} are fixed by the source model")
     if memory.get("metaplasticity", True) is not True:
         raise ValueError("model.metaplasticity must be True: surgery makes layers metaplastic")
+    flagged = sorted({"palimpsa_d", TARGET_MIXER} & set(source.layer_mixers))
+    if layers and not source.metaplasticity and flagged:
+        raise ValueError(f"the source model has metaplasticity=False and {flagged} layers, which would "
+                         f"become metaplastic too: convert a model without them")
     mixers = tuple(TARGET_MIXER if i in layers else mixer for i, mixer in enumerate(source.layer_mixers))
+    if layers:
+        memory = {**memory, "metaplasticity": True}
     return source.replace(mixers=mixers, **memory)
 
 
