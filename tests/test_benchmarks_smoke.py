@@ -120,3 +120,29 @@ def test_breakdown_classes_device_events(tmp_path):
     assert result["host_idle_ms"] == pytest.approx(per_step(20000 - 12000))
     assert [o["op"] for o in result["top_ops"]] == ["custom-call.3", "gemm_fusion_dot.1",
                                                     "loop_add_fusion", "copy.2"]
+
+
+@pytest.mark.smoke
+def test_smoke_surgery_in_small_prints_its_table(tmp_path):
+    """The surgery comparison end to end on a corpus prepared from text the test writes."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(12):
+        words = " ".join(f"word{(i * 7 + j * j) % 97}" for j in range(400))
+        (texts / f"doc{i}.txt").write_text(f"document {i}: {words}\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_CPU_COMPILE}
+    prepare = subprocess.run(
+        [sys.executable, "-m", "palimpsa_jax.commands.prepare", "--input", str(texts / "*.txt"), "--output",
+         str(tmp_path / "corpus"), "--train_tokenizer", "--vocab_size", "300", "--validation_fraction", "0.25",
+         "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.surgery_in_small", "--corpus", str(tmp_path / "corpus"), "--root",
+         str(tmp_path / "runs"), "--small", "--seeds", "0", "--output", str(tmp_path / "table.md")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text()
+    assert "converts layers [0, 1, 2, 3]" in table          # weakest:4 of the 4-layer base
+    control = json.loads((tmp_path / "runs" / "control_s0" / "metrics.json").read_text())
+    assert "| 0 | " in table and f"{control['eval/loss']:.4f} |" in table
+    assert table.count("\n| 1-1 |") == 1 and "passkey, best cell: surgery s0" in table

@@ -1,0 +1,149 @@
+"""Metaplastic surgery in small (issue 16; benchmarks/RESULTS.md): a pretrained Mamba2, its
+weakest-forgetting layers converted to Palimpsa-M and fine-tuned, against the same fine-tuning
+without surgery, over seeds. Every stage is one of the project's commands, run as a subprocess:
+
+    palimpsa-train (the base) -> palimpsa-surgery --layers L / none (per seed) ->
+    palimpsa-train --resume (both arms, --parallel at once) -> palimpsa-long-context
+
+and the script prints (and writes to --output) the validation loss of each arm and seed, the
+paired differences, the loss by position and the passkey accuracy. The corpus is a directory
+made by palimpsa-prepare (train-*.npy, validation-*.npy, tokenizer.json, eos id 0).
+
+    python -m benchmarks.surgery_in_small --corpus /tmp/corpus --root /tmp/surgery \
+        --seeds 0 1 2 --parallel 4 --output surgery.md
+    python -m benchmarks.surgery_in_small --corpus corpus --root /tmp/s --small   # CPU smoke run
+
+A stage whose run already holds its result is not run again, so a run cut by a time limit
+continues where it stopped (fine-tuning resumes from its last checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+import palimpsa_jax.experiments
+
+EXPERIMENTS = pathlib.Path(palimpsa_jax.experiments.__file__).parent
+
+# --small: a model and budget a CPU runs in minutes (the numbers mean nothing).
+SMALL = ("--config.model.n_layers=4", "--config.model.d_model=64", "--config.data.seq_len=64",
+         "--config.batch_size=4", "--config.eval.batch_size=4")
+
+
+def _command(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", f"palimpsa_jax.commands.{module}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _wait(processes: dict[str, subprocess.Popen], logs: pathlib.Path) -> None:
+    failed = []
+    for name, process in processes.items():
+        output, _ = process.communicate()
+        (logs / f"{name}.log").write_text(output)
+        if process.returncode:
+            failed.append(f"{name} (exit {process.returncode}, log {logs / f'{name}.log'})")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+def _in_batches(jobs: dict[str, tuple], parallel: int, logs: pathlib.Path, env: dict) -> None:
+    names = list(jobs)
+    for start in range(0, len(names), parallel):
+        _wait({name: _command(*jobs[name], env=env) for name in names[start:start + parallel]}, logs)
+
+
+def _metrics(run: pathlib.Path) -> dict:
+    path = run / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", type=pathlib.Path, required=True, help="a palimpsa-prepare output directory")
+    parser.add_argument("--root", type=pathlib.Path, required=True, help="directory of the runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--layers", default="weakest:4", help="palimpsa-surgery --layers of the surgery arm")
+    parser.add_argument("--pretrain", default=f"{EXPERIMENTS}/lm/zoo.py:mamba2", help="experiment file of the base")
+    parser.add_argument("--finetune", default=f"{EXPERIMENTS}/surgery/mamba2.py:zoo",
+                        help="fine-tuning experiment file of both arms")
+    parser.add_argument("--parallel", type=int, default=1, help="fine-tunings (and evaluations) at once")
+    parser.add_argument("--length", type=int, default=4096, help="positions of the loss by position")
+    parser.add_argument("--small", action="store_true", help="a tiny model and budget (CPU smoke run)")
+    parser.add_argument("--output", type=pathlib.Path, help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+
+    corpus, root = args.corpus.resolve(), args.root.resolve()
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    data = (f"--config.data.path={corpus}/train-*.npy", f"--config.data.test_path={corpus}/validation-*.npy")
+    small = SMALL if args.small else ()
+    steps = ("--config.train.steps=4", "--config.optim.warmup_steps=1") if args.small else ()
+    # several processes on one accelerator: each takes its share of the memory
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.8 / args.parallel:.2f}"} if args.parallel > 1 else {}
+
+    base = root / "pretrained"
+    if not _metrics(base):
+        _wait({"pretrain": _command(
+            "train", "--config", args.pretrain, "--workdir", str(base), *data, "--config.log.progress=False",
+            f"--config.data.tokenizer={corpus}/tokenizer.json", "--config.data.eos_id=0", *small, *steps,
+            *(("--resume",) if (base / "config.json").exists() else ()))}, logs)
+
+    arms = {"surgery": args.layers, "control": "none"}
+    runs = {(arm, seed): root / f"{arm}_s{seed}" for arm in arms for seed in args.seeds}
+    surgery_args = tuple(a for a in small if "n_layers" not in a and "d_model" not in a)
+    _in_batches({f"surgery_{arm}_s{seed}": (
+        "surgery", "--from", str(base), "--workdir", str(run), "--layers", arms[arm], "--probe",
+        f"{corpus}/validation-*.npy", "--config", args.finetune, *data, f"--config.seed={seed}",
+        "--config.checkpoint.every_steps=100", *surgery_args, *steps, *(("--probe_rows=2",) if args.small else ()))
+        for (arm, seed), run in runs.items() if not (run / "config.json").exists()}, args.parallel, logs, env)
+    _in_batches({f"finetune_{run.name}": (
+        "train", "--config", str(run / "experiment.py"), "--workdir", str(run), "--resume",
+        "--config.log.progress=False") for run in runs.values() if not _metrics(run)}, args.parallel, logs, env)
+    passkey = ("--passkey_lengths=128", "--trials=1") if args.small else ()
+    length = 256 if args.small else args.length
+    _in_batches({f"long_context_{run.name}": (
+        "long_context", "--workdir", str(run), f"--length={length}", "--documents=64",
+        f"--min_length={length}", "--batch_size=8", *passkey)
+        for run in [base, *runs.values()] if not (run / "long_context" / "passkey.json").exists()},
+        args.parallel, logs, env)
+
+    report = _report(base, runs, args.seeds, args.layers)
+    print(report)
+    if args.output:
+        args.output.write_text(report + "\n")
+
+
+def _report(base: pathlib.Path, runs: dict, seeds: list[int], layers: str) -> str:
+    record = json.loads((runs["surgery", seeds[0]] / "surgery.json").read_text())
+    lines = [f"base {base}: validation loss {_metrics(base)['eval/loss']:.4f}; surgery {layers} converts "
+             f"layers {record['layers']} (windows {[round(w, 1) for w in record['windows']]})", "",
+             "| seed | surgery | control | difference |", "|---|---|---|---|"]
+    differences = []
+    for seed in seeds:
+        meta, control = (_metrics(runs[arm, seed])["eval/loss"] for arm in ("surgery", "control"))
+        differences.append(meta - control)
+        lines.append(f"| {seed} | {meta:.4f} | {control:.4f} | {meta - control:+.4f} |")
+    lines.append(f"| mean | | | {np.mean(differences):+.4f} (std {np.std(differences):.4f}) |")
+    lines += ["", "| positions | " + " | ".join(f"{arm} s{seed}" for arm, seed in runs) + " | base |",
+              "|---" * (len(runs) + 2) + "|"]
+    tables = {name: json.loads((run / "long_context" / "loss_by_position.json").read_text())["buckets"]
+              for name, run in [*runs.items(), ("base", base)]}
+    for i, bucket in enumerate(tables["base"]):
+        lines.append(f"| {bucket['first']}-{bucket['last']} | "
+                     + " | ".join(f"{tables[name][i]['mean_loss']:.4f}" for name in tables) + " |")
+    best = {name: max(map(max, json.loads((run / "long_context" / "passkey.json").read_text())["accuracy"]))
+            for name, run in [*runs.items(), ("base", base)]}
+    lines += ["", "passkey, best cell: " + ", ".join(
+        f"{name if isinstance(name, str) else f'{name[0]} s{name[1]}'} {value:.2f}" for name, value in best.items())]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
