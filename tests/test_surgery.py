@@ -1,6 +1,7 @@
-"""Metaplastic surgery (models.surgery, palimpsa-surgery): the windows it measures are the
-analytic ones, it converts the layers with the largest, it keeps every backbone weight bitwise,
-and with beta forced to zero the converted model is the original exactly."""
+"""Metaplastic surgery (models.surgery, palimpsa-surgery) of a checkpoint saved by transformers' Mamba2ForCausalLM:
+the windows it measures are the analytic ones, it converts the layers with the largest, it keeps
+every backbone weight bitwise, and with beta forced to zero the converted model is the original
+exactly (and transformers' model to 1e-4)."""
 import json
 import pathlib
 import subprocess
@@ -10,6 +11,8 @@ import hypothesis.extra.numpy as hnp
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # the test extras install the CPU build
+import transformers
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,10 +53,13 @@ def _analytic_windows(model) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """(model, its transformers-layout directory, a corpus file of 3 documents)."""
+    """(model, a directory that transformers' Mamba2ForCausalLM saved it in, a corpus file of 3
+    documents): the source of surgery is a checkpoint as transformers writes it."""
     root = tmp_path_factory.mktemp("surgery")
     model = _source_model()
-    directory = export_mamba2(model, root / "pretrained")
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(export_mamba2(model, root / "ours")).float().eval()
+    hf.save_pretrained(root / "pretrained")
+    directory = root / "pretrained"
     rng = np.random.default_rng(0)
     documents = [rng.integers(1, SOURCE.vocab_size, n).tolist() for n in (50, 70, 40)]
     corpus = write_corpus(root / "corpus.npy", documents, eos_id=0)
@@ -148,6 +154,10 @@ def test_surgery_keeps_the_backbone_and_without_beta_is_the_original(pretrained,
     for i in record["layers"]:                              # softplus(-inf) = 0: beta = 0
         run.model.blocks[i].mixer.beta.b_scale[...] = jnp.full((HEADS,), -jnp.inf)
     np.testing.assert_array_equal(_logits(run.model, tokens), reference)
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(directory).float().eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(tokens)).logits.numpy()
+    assert np.abs(reference - theirs).max() < 1e-4 * np.abs(theirs).max()     # and transformers' model
 
 
 def test_converted_run_fine_tunes_and_a_run_converts_again(pretrained, tmp_path):
