@@ -184,6 +184,8 @@ def test_errors_name_the_culprit(pretrained, tmp_path):
     result = _surgery(directory, tmp_path / "x", corpus, "weakest:5")
     assert result.returncode == 2 and "layers: weakest:5 needs 1 to 4" in result.stderr
     assert not (tmp_path / "x").exists()
+    result = _surgery(directory, tmp_path / "w", corpus, "half")
+    assert result.returncode == 2 and "layers must be weakest:K, all, none" in result.stderr
     result = _surgery(directory, tmp_path / "y", corpus, "all", "--config.model.metaplasticity=False")
     assert result.returncode == 1 and "--config.model.metaplasticity: unknown config key" in result.stderr
     result = _surgery(directory, tmp_path / "z", corpus, "all", "--probe_rows", "99")

@@ -26,10 +26,11 @@ from flax import nnx
 from palimpsa_jax.analysis import measures, probe
 from palimpsa_jax.models.config import ModelConfig
 from palimpsa_jax.models.lm import CausalLM
-from palimpsa_jax.models.mamba2_import import ARCHITECTURE
+from palimpsa_jax.models.mamba2_import import ARCHITECTURE, checkpoint_tokenizer, mamba2_model
 
 SOURCE_MIXER, TARGET_MIXER = "mamba2", "palimpsa_m"
 RECORD_FILE = "surgery.json"
+SELECTION = re.compile(r"weakest:\d+|all|none|\d+(,\d+)*")   # the forms of --layers
 
 
 def layer_windows(model: CausalLM, rows: dict[str, np.ndarray], *, batch_size: int = 8) -> np.ndarray:
@@ -66,15 +67,20 @@ def choose_layers(selection: str, windows: np.ndarray, mixers: tuple[str, ...]) 
                              f"{SOURCE_MIXER} layers), got {count}")
         by_window = sorted(convertible, key=lambda i: (-windows[i], i))
         return tuple(sorted(by_window[:count]))
-    if not re.fullmatch(r"\d+(,\d+)*", selection):
-        raise ValueError(f"layers must be weakest:K, all, none or comma-separated layer indices, "
-                         f"got {selection!r}")
+    check_selection(selection)
     chosen = sorted({int(i) for i in selection.split(",")})
     wrong = [i for i in chosen if i >= len(mixers) or mixers[i] != SOURCE_MIXER]
     if wrong:
         raise ValueError(f"layers: {wrong} are not {SOURCE_MIXER} layers of this model "
                          f"(layers {convertible} are, of {len(mixers)})")
     return tuple(chosen)
+
+
+def check_selection(selection: str) -> None:
+    """ValueError naming `layers` unless selection has one of the forms of `choose_layers`."""
+    if not SELECTION.fullmatch(selection):
+        raise ValueError(f"layers must be weakest:K, all, none or comma-separated layer indices, "
+                         f"got {selection!r}")
 
 
 def converted_config(source: ModelConfig, layers: tuple[int, ...], **memory) -> ModelConfig:
@@ -131,8 +137,6 @@ def source_model(source, experiment: ml_collections.ConfigDict) -> tuple[CausalL
     """(model, tokenizer or None) of `source`: a run directory (its latest checkpoint and
     tokenizer) or a pretrained Mamba2 directory (`models.mamba2_import`, in the experiment's
     backend, chunk size and dtype)."""
-    from palimpsa_jax.models.mamba2_import import checkpoint_tokenizer, mamba2_model
-
     source = pathlib.Path(source)
     if (source / "checkpoints").is_dir():
         from palimpsa_jax.analysis.run import load_run
@@ -166,6 +170,7 @@ def metaplastic_surgery(source, workdir, experiment: ml_collections.ConfigDict, 
     workdir = pathlib.Path(workdir)
     if (workdir / "config.json").exists():
         raise FileExistsError(f"workdir {workdir} already holds a run (config.json)")
+    check_selection(layers)                    # before the source is read
     model, found = source_model(source, experiment)
     tokenizer = found if tokenizer is None else Tokenizer(tokenizer, eos_id=experiment.data.eos_id)
     eos_id = experiment.data.eos_id if tokenizer is None else tokenizer.eos_id
