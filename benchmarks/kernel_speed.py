@@ -2,7 +2,7 @@
 
 Times the forward and the forward+backward (gradient of <o, w> w.r.t. every differentiable
 input, under `jax.jit`) of each `palimpsa_attention` backend, per chunk size for the chunked
-ones, and of `gla_attention` (the non-metaplastic speed of light), over the reference
+ones, and of each `gla_attention` backend (the non-metaplastic speed of light), over the reference
 shapes (README "Benchmarks"). Every row is set against the authors' Triton kernel and the ceiling. Before a
 shape is timed, each chunked backend is checked in float32 against the sequential reference;
 the exit status is 1 if any relative error exceeds the tolerance, a case fails or a shape is
@@ -118,11 +118,11 @@ class Variant:
         return fn(**xs, backend=self.backend, chunk_size=self.chunk_size)
 
 
-def unavailable_reason(backend: str) -> str | None:
-    """Why a palimpsa backend cannot run on this platform (tried on a tiny input), or None."""
-    xs, _ = make_inputs(jax.random.key(0), Shape("probe", 1, 4, 1, 2, 2), jnp.float32)
+def unavailable_reason(op: str, backend: str) -> str | None:
+    """Why a backend of `op` cannot run on this platform (tried on a tiny input), or None."""
+    xs, _ = make_inputs(jax.random.key(0), Shape("probe", 1, 16, 1, 2, 2), jnp.float32)
     try:
-        jax.block_until_ready(Variant("palimpsa", backend)(xs))
+        jax.block_until_ready(Variant(op, backend)({n: xs[n] for n in OPS[op][1]}))
     except Exception as e:  # e.g. a GPU-only backend on CPU
         return f"{type(e).__name__}: {str(e).splitlines()[0]}"
     return None
@@ -338,7 +338,7 @@ def header(args, unavailable: dict) -> str:
          f"capped at {args.budget_s:g} s of calls per pass (at least 3); host clock around "
          "`block_until_ready`"),
     ]
-    lines += [f"- backend {b} does not run here: {why}" for b, why in unavailable.items()]
+    lines += [f"- {op} backend {b} does not run here: {why}" for (op, b), why in unavailable.items()]
     return "\n".join(lines)
 
 
@@ -349,6 +349,8 @@ def parse_args(argv=None):
                        default=[s.name for s in REFERENCE_SHAPES],
                        help="shapes to run (the reference shapes by default)")
     which.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS),
+                        help="kernels to time and check: palimpsa_attention, gla_attention")
     parser.add_argument("--backends", nargs="+", choices=sorted(kernels.PALIMPSA_BACKENDS),
                         help="palimpsa backends to time and check (default: all that run here)")
     parser.add_argument("--chunk-sizes", nargs="+", type=int,
@@ -373,12 +375,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     shapes = [SHAPES[name] for name in args.shapes]
     dtype = jnp.dtype(args.dtype)
-    gla = Variant("gla", "xla", default_chunk_size("gla", "xla"))
-    unavailable = {b: unavailable_reason(b) for b in kernels.PALIMPSA_BACKENDS}
-    unavailable = {b: why for b, why in unavailable.items() if why}
-    backends = args.backends or [b for b in kernels.PALIMPSA_BACKENDS if b not in unavailable]
-    timed = variants("palimpsa", backends, args.chunk_sizes) + [gla]
-    checked = variants("palimpsa", [b for b in backends if b != "reference"], args.chunk_sizes)
+    unavailable = {(op, b): unavailable_reason(op, b) for op in args.ops for b in REGISTRIES[op]}
+    unavailable = {case: why for case, why in unavailable.items() if why}
+    runs = lambda op: [b for b in REGISTRIES[op] if (op, b) not in unavailable]
+    backends = args.backends or runs("palimpsa")
+    # GLA, the non-metaplastic speed of light: every backend but the reference, at its own chunk
+    gla = variants("gla", [b for b in runs("gla") if b != "reference"], None) if "gla" in args.ops else []
+    palimpsa = "palimpsa" in args.ops
+    timed = (variants("palimpsa", backends, args.chunk_sizes) if palimpsa else []) + gla
+    checked = (variants("palimpsa", [b for b in backends if b != "reference"], args.chunk_sizes)
+               if palimpsa else [])
     key = jax.random.key(args.seed)
     start = time.perf_counter()
     setup = header(args, unavailable)
@@ -391,8 +397,10 @@ def main(argv=None) -> int:
             continue
         print(f"\n{shape.name} {shape.dims}:", flush=True)
         if not args.skip_check:
-            check_rows += check(shape, checked, Variant("palimpsa", "reference"), key)
-            check_rows += check(shape, [gla], Variant("gla", "reference"), key)
+            if checked:
+                check_rows += check(shape, checked, Variant("palimpsa", "reference"), key)
+            if gla:
+                check_rows += check(shape, gla, Variant("gla", "reference"), key)
         input_sets = [make_inputs(k, shape, dtype)
                       for k in jax.random.split(jax.random.fold_in(key, 1), args.input_sets)]
         results += [benchmark(shape, variant, input_sets, args) for variant in timed]

@@ -409,20 +409,26 @@ OURS = {"gla": (kernels.gla_attention, kernels.GLA_BACKENDS, ("q", "k", "v", "lo
 FLA_NAMES = {"gla": "fla chunk_simple_gla", "gated_delta": "fla chunk_gated_delta_rule"}
 
 
+KERNEL_LAYERS = {"lm": "LM layer", "mamba2": "Mamba2 layer", "gated_deltanet": "Gated DeltaNet layer"}
+
+
 def kernel_cases(args) -> list[KernelCase]:
-    """Both ops at the LM (Palimpsa-D) layer shape; gla at Mamba2's, gated_delta at Gated
-    DeltaNet's, each from its preset (--small: the LM layer only)."""
+    """The --ops at the --kernel-layers' shapes: both ops at the LM (Palimpsa-D) layer's, gla at
+    Mamba2's, gated_delta at Gated DeltaNet's, each from its preset (--small: the LM layer only)."""
     pd, m2, gdn = (model_config(m, args) for m in ("palimpsa_d", "mamba2", "gated_deltanet"))
     bt = (args.batch, args.seq_len)
     lm = (*bt, pd.num_heads, pd.head_dim, pd.expand_v * pd.head_dim)
-    cases = [KernelCase("gla", "LM layer", lm), KernelCase("gated_delta", "LM layer", lm)]
-    if args.small:
-        return cases
-    return cases + [
-        KernelCase("gla", "Mamba2 layer",
-                   (*bt, m2.ssm_expand * m2.d_model // m2.ssm_head_dim, m2.ssm_state, m2.ssm_head_dim)),
-        KernelCase("gated_delta", "Gated DeltaNet layer",
-                   (*bt, gdn.num_heads, gdn.head_dim, gdn.expand_v * gdn.head_dim))]
+    cases = [KernelCase("gla", KERNEL_LAYERS["lm"], lm),
+             KernelCase("gated_delta", KERNEL_LAYERS["lm"], lm)]
+    if not args.small:
+        cases += [
+            KernelCase("gla", KERNEL_LAYERS["mamba2"],
+                       (*bt, m2.ssm_expand * m2.d_model // m2.ssm_head_dim, m2.ssm_state,
+                        m2.ssm_head_dim)),
+            KernelCase("gated_delta", KERNEL_LAYERS["gated_deltanet"],
+                       (*bt, gdn.num_heads, gdn.head_dim, gdn.expand_v * gdn.head_dim))]
+    layers = {KERNEL_LAYERS[name] for name in args.kernel_layers}
+    return [case for case in cases if case.op in args.ops and case.layer in layers]
 
 
 def kernel_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
@@ -743,6 +749,10 @@ def parse_args(argv=None):
     parser.add_argument("--backends", nargs="+",
                         help="our kernel backends beside fla's (default: all registered but "
                              "reference)")
+    parser.add_argument("--ops", nargs="+", choices=sorted(OURS), default=sorted(OURS),
+                        help="kernel ops of the kernels part")
+    parser.add_argument("--kernel-layers", nargs="+", choices=sorted(KERNEL_LAYERS),
+                        default=sorted(KERNEL_LAYERS), help="layer shapes of the kernels part")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=["models", "kernels"],
                         help="fla_model is opt-in: its first steps autotune fla's Triton kernels "
                              "(on one H200 it had not finished when a 9-minute call ended)")

@@ -6,8 +6,9 @@ limit. Prints a Markdown table last.
 
     python -m benchmarks.pallas_gpu_sweep --shapes lm_170m long_seq --configs 8,2,8,4,16
 
-A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward)
-and the chunk size C.
+A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward),
+the chunk size C and, optionally, the time splits of the forward and of the backward (0 or
+absent: picked from the program count).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from palimpsa_jax.kernels.palimpsa import pallas_gpu
 
 
 def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_num_warps: int,
-              chunk_size: int):
+              chunk_size: int, time_splits: int = 0, backward_time_splits: int = 0):
     """palimpsa_attention through the pallas_gpu backend with explicit tuning options."""
     B, T, H, Dk = xs["q"].shape
     Dv = xs["v"].shape[-1]
@@ -37,7 +38,8 @@ def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_
         xs["q"], xs["k"], xs["v"], xs["beta"], log_alpha, prior, zeros, zeros,
         reset, scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
         block_v=block_v, num_warps=num_warps, backward_block_v=backward_block_v,
-        backward_num_warps=backward_num_warps)
+        backward_num_warps=backward_num_warps, time_splits=time_splits or None,
+        backward_time_splits=backward_time_splits or None)
     return o.astype(xs["v"].dtype)
 
 
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["lm_170m", "long_seq"],
                         choices=sorted(bench.SHAPES))
     parser.add_argument("--configs", nargs="+", default=["8,2,8,4,16", "8,4,8,4,16"],
-                        help="block_v,num_warps,backward_block_v,backward_num_warps,C")
+                        help="block_v,num_warps,backward_block_v,backward_num_warps,C"
+                             "[,time_splits,backward_time_splits]")
     parser.add_argument("--time-limit-s", type=float, default=300)
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
@@ -90,8 +93,9 @@ def main(argv=None) -> int:
                          f"{100 * shape.ceiling_ms('fwd') / medians[0]:.1f}",
                          f"{100 * shape.ceiling_ms('fwd+bwd') / medians[1]:.1f}"])
             print(" | ".join(rows[-1]), flush=True)
-    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "fwd block_v, warps; bwd block_v, warps; C", "fwd ms",
-                                "fwd+bwd ms", "fwd % ceiling", "fwd+bwd % ceiling"], rows))
+    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)",
+                                "fwd block_v, warps; bwd block_v, warps; C[; splits fwd, bwd]",
+                                "fwd ms", "fwd+bwd ms", "fwd % ceiling", "fwd+bwd % ceiling"], rows))
     return int(failed)
 
 

@@ -4,7 +4,7 @@
 Backends receive float32 gates with resets folded in (`chunking.resets`: a (B, T, H) mask, True
 where a segment id changes or alpha = 0, and log_alpha 0 there), the Palimpsa prior as an
 (H, Dv, Dk) float32 array and the state in natural parameters (M, Ibar) as float32; they return
-float32 outputs.
+outputs in float32 or in v's dtype (which the entry points return) and float32 states.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from palimpsa_jax.kernels.gated_deltanet.chunk import gated_delta_chunked
 from palimpsa_jax.kernels.gated_deltanet.naive import gated_delta_reference
 from palimpsa_jax.kernels.gla.chunk import gla_chunked
 from palimpsa_jax.kernels.gla.naive import gla_reference
+from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
 from palimpsa_jax.kernels.outputs import AttentionOutput, Posterior
 from palimpsa_jax.kernels.palimpsa.chunk import palimpsa_chunked
 from palimpsa_jax.kernels.palimpsa.naive import palimpsa_reference
@@ -33,6 +34,7 @@ PALIMPSA_BACKENDS = {
 GLA_BACKENDS = {
     "reference": gla_reference,
     "xla": gla_chunked,
+    "pallas_gpu": gla_pallas_gpu,
 }
 GATED_DELTA_BACKENDS = {
     "reference": gated_delta_reference,
@@ -146,7 +148,7 @@ def palimpsa_attention(q, k, v, beta, log_alpha, prior, *, scale=None, initial_s
 
 
 def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment_ids=None,
-                  return_final_state=False, backend="auto", chunk_size=None):
+                  return_final_state=False, backend="auto", chunk_size=None, interpret=None):
     """Gated linear attention: S_t = alpha_t S_{t-1} + v_t ⊗ k_t, o_t = scale S_t q_t.
 
     Args:
@@ -160,7 +162,8 @@ def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment
     batch, length, heads, dk, dv = validation.check_qkv(q, k, v, log_alpha)
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = resolve_backend(backend, GLA_BACKENDS, chunk_size=chunk_size)
+    fn, options = resolve_backend(backend, GLA_BACKENDS, chunk_size=chunk_size,
+                                  interpret=interpret)
 
     scale = dk**-0.5 if scale is None else float(scale)
     S0 = _initial_memory(initial_state, (batch, heads, dv, dk))

@@ -146,3 +146,20 @@ def test_smoke_surgery_in_small_prints_its_table(tmp_path):
     control = json.loads((tmp_path / "runs" / "control_s0" / "metrics.json").read_text())
     assert "| 0 | " in table and f"{control['eval/loss']:.4f} |" in table
     assert table.count("\n| 1-1 |") == 1 and "passkey, best cell: surgery s0" in table
+
+
+@pytest.mark.smoke
+def test_gla_sweep_smoke_run_in_interpret_mode():
+    """`benchmarks.gla_sweep` in Pallas interpret mode on the CPU: a row per (shape,
+    configuration), positive times, and the float32 output within 1e-5 of the xla backend's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gla_sweep", "--shapes", "tiny", "tiny_ragged",
+         "--configs", "16,4,16,1", "32,4,16,2", "--interpret", "--dtype", "float32"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 4
+    for row in rows:
+        fwd_ms, fwd_bwd_ms, error = float(row[3]), float(row[4]), float(row[5].rstrip(" |"))
+        assert fwd_ms > 0 and fwd_bwd_ms > 0 and error < 1e-5, row

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import backends
 from palimpsa_jax import kernels
+from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
 from references import gla_jax64, gla_numpy, random_inputs, relative_error
 
 BACKENDS = sorted(kernels.GLA_BACKENDS)
@@ -85,6 +86,44 @@ def test_two_halves_equal_whole(backend):
                   initial_state=S1, return_final_state=True)
     np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(S2, S, rtol=2e-5, atol=2e-6)
+
+
+def test_pallas_gpu_state_tiles(monkeypatch):
+    """pallas_gpu's two sequential kernels split the (Dv, Dk) state into block x block tiles, one
+    program each: several tiles over both axes (and T not a multiple of the chunk) give the
+    float64 reference's values, final state and gradients."""
+    B, T, H, Dk, Dv = 2, 45, 2, 20, 40            # padded to 32 x 64: 2 x 4 tiles of 16
+    monkeypatch.setitem(kernels.GLA_BACKENDS, "pallas_gpu",
+                        functools.partial(gla_pallas_gpu, block=16))
+    q, k, v, _, log_alpha, _, segment_ids = random_inputs(5, B, T, H, Dk, Dv)
+    S0 = np.random.default_rng(6).normal(size=(B, H, Dv, Dk)).astype(np.float32)
+    w_o, w_S = np.random.default_rng(7).normal(size=(B, T, H, Dv)), np.random.default_rng(8).normal(size=S0.shape)
+
+    def grad(kernel):
+        def loss(*args):
+            o, S = kernel(*args)[:2]
+            return jnp.sum(w_o * o) + jnp.sum(w_S * S)
+        return jax.value_and_grad(loss, argnums=tuple(range(5)))
+
+    ours = grad(lambda *a: kernels.gla_attention(
+        *a[:4], initial_state=a[4], segment_ids=segment_ids, return_final_state=True,
+        backend="pallas_gpu", chunk_size=16, **backends.options("pallas_gpu")))
+    with backends.x64_mode(True):
+        reference = grad(lambda *a: gla_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v, log_alpha, S0)))
+    (value, grads) = ours(q, k, v, log_alpha, S0)
+    assert relative_error(value, reference[0]) < 1e-5
+    for name, g, g_ref in zip(["q", "k", "v", "log_alpha", "initial_state"], grads, reference[1]):
+        assert relative_error(g, g_ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0)])
+def test_pallas_gpu_bad_options_raise_value_error_naming_them(option, value):
+    q, k, v, _, log_alpha, _, _ = random_inputs(0, 1, 8, 1, 4, 4)
+    reset = np.zeros(log_alpha.shape, bool)
+    with pytest.raises(ValueError, match=f"^{option} "):
+        gla_pallas_gpu(q, k, v, log_alpha, np.zeros((1, 1, 4, 4), np.float32), reset, scale=0.5,
+                       interpret=True, **{option: value})
 
 
 @pytest.mark.parametrize("argument,changes", [

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import backends
 from palimpsa_jax import kernels
+from palimpsa_jax.kernels.palimpsa import pallas_gpu
 from references import gla_numpy, palimpsa_jax64, palimpsa_numpy, random_inputs, relative_error
 
 BACKENDS = sorted(kernels.PALIMPSA_BACKENDS)
@@ -173,6 +174,51 @@ def test_large_prior_tends_to_gla(backend):
     assert errors[-1] < 1e-3
     ratios = np.array(errors[:-1]) / np.array(errors[1:])
     assert np.all((ratios > 5) & (ratios < 20)), errors
+
+
+@pytest.mark.parametrize("splits", [(1, 1), (2, 8), (16, 4)], ids=lambda s: f"fwd{s[0]}-bwd{s[1]}")
+def test_pallas_gpu_time_splits_compute_the_same_function(monkeypatch, splits):
+    """pallas_gpu runs time splits in parallel in both passes (the forward from each split's
+    entering state, the backward from each split's entering cotangent): any split count gives the
+    float64 reference's outputs, final state, variance and every gradient."""
+    B, T, H, Dk, Dv, C = 1, 64, 2, 3, 5, 4                          # 16 chunks
+    monkeypatch.setitem(kernels.PALIMPSA_BACKENDS, "pallas_gpu", functools.partial(
+        pallas_gpu.palimpsa_pallas_gpu, time_splits=splits[0], backward_time_splits=splits[1]))
+    q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(13, B, T, H, Dk, Dv)
+    state = random_state(14, B, H, Dv, Dk)
+    rng = np.random.default_rng(15)
+    w_o, w_var = rng.normal(size=(2, B, T, H, Dv))
+    w_mu, w_I = rng.normal(size=(2, B, H, Dv, Dk))
+
+    def loss(kernel):
+        def f(*args):
+            o, (mu, importance), var = kernel(*args)
+            return (jnp.sum(w_o * o) + jnp.sum(w_var * var) + jnp.sum(w_mu * mu)
+                    + jnp.sum(w_I * importance))
+        return jax.value_and_grad(f, argnums=tuple(range(8)))
+
+    args = (q, k, v, beta, log_alpha, prior, *state)
+    value, grads = loss(lambda *a: call("pallas_gpu", *a[:6], chunk_size=C, initial_state=a[6:],
+                                        segment_ids=segment_ids, return_final_state=True,
+                                        return_variance=True, jit=False))(*args)
+    with backends.x64_mode(True):
+        ref_value, ref_grads = loss(lambda *a: palimpsa_jax64(
+            *a, scale=Dk**-0.5, segment_ids=segment_ids))(*(jnp.asarray(x, jnp.float64) for x in args))
+    assert relative_error(value, ref_value) < 1e-5
+    for name, g, g_ref in zip(["q", "k", "v", "beta", "log_alpha", "prior", "mu0", "I0"], grads,
+                              ref_grads):
+        assert relative_error(g, g_ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("option", ["time_splits", "backward_time_splits"])
+def test_pallas_gpu_time_splits_must_divide_the_chunks(option):
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(16, 1, 40, 1, 2, 2)   # 5 chunks of 8
+    zeros = np.zeros((1, 1, 2, 2), np.float32)
+    run = lambda *a: pallas_gpu.palimpsa_pallas_gpu(
+        *a, zeros, zeros, np.zeros(log_alpha.shape, bool), scale=0.5, return_variance=False,
+        chunk_size=8, interpret=True, **{option: 2})[0].sum()
+    with pytest.raises(ValueError, match=f"^{option} must divide the number of chunks 5"):
+        jax.grad(run)(q, k, v, beta, log_alpha, np.ones((1, 2, 2), np.float32))
 
 
 EXTREMES = {

@@ -5,8 +5,12 @@ the state (M, Ibar) in registers (Dk' = Dk padded to a power of two, masked), wa
 a `fori_loop` and the C tokens of a chunk unrolled, with every load of a chunk issued before its
 recurrence. It writes the outputs (gathered per chunk), the optional variance and the state
 entering every chunk: the residuals of the shared chunked custom VJP (`kernels.palimpsa.chunk`).
-Backward, grid (B, H, ceil(Dv / block_v)): chunks in reverse, each chunk's C + 1 states
-recomputed in registers, then the reverse recurrence of (dL/dM, dL/dIbar).
+Backward, grid (time split, B, H, ceil(Dv / block_v)): chunks in reverse, each chunk's C + 1
+states recomputed in registers, then the reverse recurrence of (dL/dM, dL/dIbar). Time splits
+run in parallel in both passes: the forward's splits start from the state entering them (a
+batched matmul per split and a parallel prefix scan over splits); the backward's from the
+cotangent entering them, the reverse scan over splits of what each split's own read-outs give
+the state before it (`_cotangent_sums_kernel`, a forward walk of the split, in parallel).
 
 Inputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
 """
@@ -99,10 +103,12 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
     plgpu.store(Ibar_ref, Ibar, mask=tile_mask)
 
 
-def _without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
-                      o_ref, *refs, **kwargs):
-    _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref, o_ref, None,
-            *refs, **kwargs)
+def _with_variance(kernel, return_variance: bool):
+    """The kernel, or, without the variance, the kernel given None for its variance ref: the
+    tenth, after the refs of q, k, v, beta, the gates, the prior, a state pair and d_o (or o)."""
+    if return_variance:
+        return kernel
+    return lambda *refs, **kwargs: kernel(*refs[:9], None, *refs[9:], **kwargs)
 
 
 def _sizes(chunks, block_v: int):
@@ -122,42 +128,73 @@ def _tokens_of_splits(x, splits: int):
     return x.reshape(splits, batch, heads, -1, *x.shape[5:])
 
 
-def _split_entering_states(chunks, state, reset, splits: int):
-    """The (M, Ibar) entering each of `splits` equal time splits, each (S, B, H, Dv, Dk).
+def _split_decays(log_alpha, reset, splits: int):
+    """The decays of `splits` equal time splits of chunked gates log_alpha, reset (N, B, H, C).
 
-    A split's own contribution to its end state is sum_t w_t v_t ⊗ k_t (and beta_t ⊗ k_t²) with
-    w_t = prod_{u > t in split} alpha_u (0 across a reset): one batched matmul. A short scan
-    then carries the state across splits: S_{s+1} = (prod_split alpha) S_s + end_s.
+    Returns carry (S, B, H), the product of a split's forget gates (0 across a reset), and
+    to_end (S, B, H, (N / S)·C), w_t = prod_{u > t in split} alpha_u (0 across a reset).
     """
-    q, k, v, beta, log_alpha = chunks
-    f32 = lambda x: _tokens_of_splits(x.astype(jnp.float32), splits)
-    k, v, beta, log_alpha = f32(k), f32(v), f32(beta), f32(log_alpha)
+    log_alpha = _tokens_of_splits(log_alpha.astype(jnp.float32), splits)
     reset = _tokens_of_splits(reset, splits)
+
     def exclusive_tail_sum(x):  # sum over u > t, without cancellation
         tail = jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)
         return jnp.concatenate([tail[..., 1:], jnp.zeros_like(tail[..., :1])], -1)
 
-    weight = jnp.where(exclusive_tail_sum(reset.astype(jnp.int32)) > 0, 0.0,
+    to_end = jnp.where(exclusive_tail_sum(reset.astype(jnp.int32)) > 0, 0.0,
                        jnp.exp(exclusive_tail_sum(log_alpha)))
+    carry = jnp.where(jnp.any(reset, -1), 0.0, jnp.exp(jnp.sum(log_alpha, -1)))
+    return carry, to_end
+
+
+def _split_entering_states(chunks, state, reset, splits: int):
+    """The (M, Ibar) entering each of `splits` equal time splits, each (S, B, H, Dv, Dk).
+
+    A split's own contribution to its end state is sum_t w_t v_t ⊗ k_t (and beta_t ⊗ k_t²) with
+    w_t from `_split_decays`: one batched matmul. A parallel prefix scan over the splits
+    (`chunking.chunk_states`) then carries the state across them: S_{s+1} = carry_s S_s + end_s.
+    """
+    _, k, v, beta, log_alpha = chunks
+    carry, to_end = _split_decays(log_alpha, reset, splits)
+    f32 = lambda x: _tokens_of_splits(x.astype(jnp.float32), splits)
+    k, v, beta = f32(k), f32(v), f32(beta)
     precision = jax.lax.Precision.HIGHEST
-    M_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", weight, v, k, precision=precision)
-    Ibar_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", weight, beta, k * k, precision=precision)
-    carry = jnp.where(jnp.any(reset, -1), 0.0, jnp.exp(jnp.sum(log_alpha, -1)))[..., None, None]
-
-    def cross(state, split):
-        carry_s, M_s, Ibar_s = split
-        return (carry_s * state[0] + M_s, carry_s * state[1] + Ibar_s), state
-
-    _, entering = jax.lax.scan(cross, state, (carry, M_end, Ibar_end))
-    return entering
+    M_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", to_end, v, k, precision=precision)
+    Ibar_end = jnp.einsum("sbht,sbhtv,sbhtk->sbhvk", to_end, beta, k * k, precision=precision)
+    return tuple(chunking.chunk_states(carry, end, start)[0]
+                 for end, start in zip((M_end, Ibar_end), state))
 
 
-def _time_splits(num_chunks: int, programs: int) -> int:
-    """Largest power-of-two S dividing num_chunks with S·programs <= TARGET_PROGRAMS."""
+def _checked_splits(time_splits: int | None, num_chunks: int, programs: int,
+                    name: str = "time_splits") -> int:
+    """time_splits if it divides num_chunks (a ValueError naming the option `name` if not); for
+    None, the largest power-of-two S dividing num_chunks with S·programs <= TARGET_PROGRAMS."""
+    if time_splits is not None:
+        if not (isinstance(time_splits, int) and time_splits > 0 and num_chunks % time_splits == 0):
+            raise ValueError(f"{name} must divide the number of chunks {num_chunks}, got "
+                             f"{time_splits!r}")
+        return time_splits
     splits = 1
     while num_chunks % (2 * splits) == 0 and 2 * splits * programs <= TARGET_PROGRAMS:
         splits *= 2
     return splits
+
+
+def _split_specs(per_split: int, chunk_size: int, dk_pad: int, block_v: int):
+    """BlockSpecs over a grid (split, b, h, v-tile): the split's tokens (width Dk'), values and
+    gates, one (block_v, Dk') state tile per (split or chunk, b, h, v-tile), the split's chunk
+    boundary states and its (block_v, C) output columns."""
+    tokens = pl.BlockSpec((per_split, None, None, chunk_size, dk_pad),
+                          lambda s, b, h, j: (s, b, h, 0, 0))
+    values = pl.BlockSpec((per_split, None, None, chunk_size, block_v),
+                          lambda s, b, h, j: (s, b, h, 0, j))
+    gates = pl.BlockSpec((per_split, None, None, chunk_size), lambda s, b, h, j: (s, b, h, 0))
+    state = pl.BlockSpec((None, None, None, block_v, dk_pad), lambda s, b, h, j: (s, b, h, j, 0))
+    bounds = pl.BlockSpec((per_split, None, None, block_v, dk_pad),
+                          lambda s, b, h, j: (s, b, h, j, 0))
+    columns = pl.BlockSpec((per_split, None, None, block_v, chunk_size),
+                           lambda s, b, h, j: (s, b, h, j, 0))
+    return tokens, values, gates, state, bounds, columns
 
 
 def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
@@ -177,39 +214,26 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     """
     q, k, v, beta, log_alpha = chunks
     num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
-    splits = time_splits or _time_splits(num_chunks, batch * heads * v_tiles)
-    if num_chunks % splits:
-        raise ValueError(f"time_splits must divide the number of chunks {num_chunks}, got {splits}")
+    splits = _checked_splits(time_splits, num_chunks, batch * heads * v_tiles)
     entering = (jax.tree.map(lambda x: x[None], state) if splits == 1 else
                 _split_entering_states(chunks, state, reset, splits))
     decay = chunking.gates(log_alpha, reset)
     per_split = num_chunks // splits
 
-    token_spec = lambda width: pl.BlockSpec(
-        (per_split, None, None, chunk_size, width), lambda s, b, h, j: (s, b, h, 0, 0))
-    value_spec = pl.BlockSpec((per_split, None, None, chunk_size, block_v),
-                              lambda s, b, h, j: (s, b, h, 0, j))
-    state_spec = pl.BlockSpec((None, None, None, block_v, dk_pad),
-                              lambda s, b, h, j: (s, b, h, j, 0))
-    bound_spec = pl.BlockSpec((per_split, None, None, block_v, dk_pad),
-                              lambda s, b, h, j: (s, b, h, j, 0))
+    tokens, values, gates, state, bounds, columns = _split_specs(per_split, chunk_size, dk_pad,
+                                                                 block_v)
     state_shape = jax.ShapeDtypeStruct((splits, batch, heads, dv, dk), jnp.float32)
     bound_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, dk), jnp.float32)
-    column_spec = pl.BlockSpec((per_split, None, None, block_v, chunk_size),
-                               lambda s, b, h, j: (s, b, h, j, 0))
     out_shape = jax.ShapeDtypeStruct((num_chunks, batch, heads, dv, chunk_size), jnp.float32)
     num_outputs = 2 if return_variance else 1
 
     outputs = pl.pallas_call(
-        functools.partial(_kernel if return_variance else _without_variance, scale=scale,
-                          dk=dk, dv=dv),
+        functools.partial(_with_variance(_kernel, return_variance), scale=scale, dk=dk, dv=dv),
         grid=(splits, batch, heads, v_tiles),
-        in_specs=[token_spec(dk_pad), token_spec(dk_pad), value_spec, value_spec,
-                  pl.BlockSpec((per_split, None, None, chunk_size),
-                               lambda s, b, h, j: (s, b, h, 0)),
+        in_specs=[tokens, tokens, values, values, gates,
                   pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
-                  state_spec, state_spec],
-        out_specs=[column_spec] * num_outputs + [bound_spec] * 2 + [state_spec] * 2,
+                  state, state],
+        out_specs=[columns] * num_outputs + [bounds] * 2 + [state] * 2,
         out_shape=[out_shape] * num_outputs + [bound_shape] * 2 + [state_shape] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -219,6 +243,51 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     out = (out[0], out[1] if return_variance else None)
     M_bound, Ibar_bound, M_last, Ibar_last = outputs[num_outputs:]
     return out, (M_last[-1], Ibar_last[-1]), (M_bound, Ibar_bound)
+
+
+def _direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale: float):
+    """What token t's read-out gives dL/dM_t and dL/dIbar_t directly (not through later
+    states), and its plasticity 1 / I_t and posterior mean mu_t, each (block_v, Dk')."""
+    plasticity = 1.0 / (Ibar + prior)
+    mu = M * plasticity
+    d_M = scale * d_o[:, None] * q[None, :] * plasticity
+    d_precision = scale * d_o[:, None] * q[None, :] * mu
+    if d_var is not None:
+        d_precision += scale * scale * d_var[:, None] * (q * q)[None, :] * plasticity
+    return d_M, -plasticity * d_precision, plasticity, mu
+
+
+def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_in_ref,
+                           Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref, *, scale: float,
+                           dk: int, dv: int):
+    """One (split, b, h, v-tile) program: what the split's own read-outs give the cotangent of the
+    state entering it, E = sum_t (alpha_a ... alpha_t) (direct dL/dM_t, direct dL/dIbar_t) over
+    its tokens a..t, walking them forward from the split's entering state."""
+    num_chunks, chunk_size = q_ref.shape[:2]
+    k_mask, v_mask, tile_mask, prior, _ = _tile(q_ref, v_ref, prior_ref, 3, dk, dv)
+
+    def chunk(n, carry):
+        M, Ibar, EM, EI, weight = carry
+        tokens = [(decay_ref[n, i], _load_row(q_ref, n, i, k_mask),
+                   _load_row(k_ref, n, i, k_mask), _load_row(v_ref, n, i, v_mask),
+                   _load_row(beta_ref, n, i, v_mask), _load_row(d_o_ref, n, i, v_mask),
+                   None if d_var_ref is None else _load_row(d_var_ref, n, i, v_mask))
+                  for i in _token_indices(chunk_size)]
+        for alpha, q, k, v, beta, d_o, d_var in tokens:
+            M = alpha * M + v[:, None] * k[None, :]
+            Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
+            d_M, d_Ibar, _, _ = _direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale)
+            weight = weight * alpha
+            EM, EI = EM + weight * d_M, EI + weight * d_Ibar
+        return M, Ibar, EM, EI, weight
+
+    M = plgpu.load(M_in_ref, mask=tile_mask, other=0.0)
+    Ibar = plgpu.load(Ibar_in_ref, mask=tile_mask, other=0.0)
+    zeros = jnp.zeros_like(M)
+    _, _, EM, EI, _ = jax.lax.fori_loop(0, num_chunks, chunk,
+                                        (M, Ibar, zeros, zeros, jnp.float32(1.0)))
+    plgpu.store(EM_ref, EM, mask=tile_mask)
+    plgpu.store(EI_ref, EI, mask=tile_mask)
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
@@ -236,7 +305,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
     """
     num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
-    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, 2, dk, dv)
+    k_mask, v_mask, tile_mask, prior, token = _tile(q_ref, v_ref, prior_ref, 3, dk, dv)
     column_mask = v_mask[:, None]
     row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
 
@@ -261,15 +330,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
             i = steps[t]
             alpha, q, k, v, beta, d_o, d_var = tokens[t]
             (M, Ibar), (M_prev, Ibar_prev) = states[t + 1], states[t]
-            plasticity = 1.0 / (Ibar + prior)
-            mu = M * plasticity
-            GM = GM + scale * d_o[:, None] * q[None, :] * plasticity
-            d_precision = scale * d_o[:, None] * q[None, :] * mu
+            d_M, d_precision, plasticity, mu = _direct_cotangents(M, Ibar, prior, q, d_o, d_var,
+                                                                  scale)
+            GM = GM + d_M
             dq = scale * jnp.sum(d_o[:, None] * mu, axis=0)
             if d_var is not None:
-                d_precision += scale * scale * d_var[:, None] * (q * q)[None, :] * plasticity
                 dq += 2 * scale * scale * q * jnp.sum(d_var[:, None] * plasticity, axis=0)
-            d_precision = -plasticity * d_precision
             d_prior += d_precision
             GI = GI + d_precision
             plgpu.store(dq_ref.at[n, i], dq, mask=k_mask)
@@ -295,69 +361,103 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
     plgpu.store(d_prior_ref, d_prior, mask=tile_mask)
 
 
-def _backward_without_variance(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
-                               Ibar_bound_ref, d_o_ref, *refs, **kwargs):
-    _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
-                     Ibar_bound_ref, d_o_ref, None, *refs, **kwargs)
+def _entering_cotangents(chunks, prior, boundary_states, reset, decay, d_out, d_final_state,
+                         splits: int, *, scale: float, return_variance: bool, interpret: bool,
+                         block_v: int, num_warps: int):
+    """The cotangent (dL/dM, dL/dIbar) of the state leaving each of `splits` time splits, each
+    (S, B, H, Dv, Dk): C_{S-1} = d_final_state, C_s = E_{s+1} + A_{s+1} C_{s+1}, with E the
+    splits' own sums (`_cotangent_sums_kernel`, parallel over splits) and A (S, B, H) the
+    product of a split's forget gates (`_split_decays`)."""
+    if splits == 1:
+        return jax.tree.map(lambda x: x[None], d_final_state)
+    q, k, v, beta, log_alpha = chunks
+    carry, _ = _split_decays(log_alpha, reset, splits)
+    num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
+    per_split = num_chunks // splits
+    tokens, values, gates, state, _, _ = _split_specs(per_split, chunk_size, dk_pad, block_v)
+    entering = pl.BlockSpec((None, None, None, block_v, dk_pad),
+                            lambda s, b, h, j: (s * per_split, b, h, j, 0))
+    d_o, d_var = d_out
+    variance = [d_var] if return_variance else []
+    sums = pl.pallas_call(
+        functools.partial(_with_variance(_cotangent_sums_kernel, return_variance), scale=scale,
+                          dk=dk, dv=dv),
+        grid=(splits, batch, heads, v_tiles),
+        in_specs=[tokens, tokens, values, values, gates,
+                  pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
+                  entering, entering, values] + [values] * len(variance),
+        out_specs=[state, state],
+        out_shape=[jax.ShapeDtypeStruct((splits, batch, heads, dv, dk), jnp.float32)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="palimpsa_cotangent_sums",
+    )(q, k, v, beta, decay, prior, *boundary_states, d_o, *variance)
+    # The reverse scan over splits, as a forward scan over the flipped splits.
+    reverse = lambda x: jnp.flip(x, 0)
+    return tuple(reverse(chunking.chunk_states(reverse(carry), reverse(E), dF)[0])
+                 for E, dF in zip(sums, d_final_state))
 
 
 def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, scale: float,
              return_variance: bool, interpret: bool = False, block_v: int = DEFAULT_BLOCK_V,
-             num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
-    """Pallas backward; same contract as `kernels.palimpsa.chunk.xla_backward`."""
+             num_warps: int = DEFAULT_BACKWARD_NUM_WARPS, time_splits: int | None = None):
+    """Pallas backward; same contract as `kernels.palimpsa.chunk.xla_backward`.
+
+    time_splits: S parallel splits of the chunks (a divisor of N), each walked in reverse from
+    the cotangent entering it (`_entering_cotangents`); None picks one so that about
+    TARGET_PROGRAMS programs run.
+    """
     q, k, v, beta, log_alpha = chunks
     num_chunks, batch, heads, chunk_size, dk, dv, dk_pad, block_v, v_tiles = _sizes(chunks, block_v)
+    splits = _checked_splits(time_splits, num_chunks, batch * heads * v_tiles,
+                             "backward_time_splits")
+    per_split = num_chunks // splits
     decay = chunking.gates(log_alpha, reset)
     d_o, d_var = d_out
+    d_entering = _entering_cotangents(
+        chunks, prior, boundary_states, reset, decay, d_out, d_final_state, splits, scale=scale,
+        return_variance=return_variance, interpret=interpret, block_v=block_v,
+        num_warps=num_warps)
 
-    token_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, dk_pad),
-                              lambda b, h, j: (0, b, h, 0, 0))
-    value_spec = pl.BlockSpec((num_chunks, None, None, chunk_size, block_v),
-                              lambda b, h, j: (0, b, h, 0, j))
-    decay_spec = pl.BlockSpec((num_chunks, None, None, chunk_size), lambda b, h, j: (0, b, h, 0))
-    state_spec = pl.BlockSpec((None, None, block_v, dk_pad), lambda b, h, j: (b, h, j, 0))
-    bound_spec = pl.BlockSpec((num_chunks, None, None, block_v, dk_pad),
-                              lambda b, h, j: (0, b, h, j, 0))
-    column_spec = pl.BlockSpec((num_chunks, None, None, block_v, chunk_size),
-                               lambda b, h, j: (0, b, h, j, 0))
-    partial_spec = pl.BlockSpec((None, num_chunks, None, None, chunk_size, dk_pad),
-                                lambda b, h, j: (j, 0, b, h, 0, 0))
+    tokens, values, gates, state, bounds, columns = _split_specs(per_split, chunk_size, dk_pad,
+                                                                 block_v)
+    partial = pl.BlockSpec((None, per_split, None, None, chunk_size, dk_pad),
+                           lambda s, b, h, j: (j, s, b, h, 0, 0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     variance = [d_var] if return_variance else []
     dq, dk_, dv_, dbeta, d_decay, d_prior, dM0, dIbar0 = pl.pallas_call(
-        functools.partial(_backward_kernel if return_variance else _backward_without_variance,
-                          scale=scale, dk=dk, dv=dv),
-        grid=(batch, heads, v_tiles),
-        in_specs=[token_spec, token_spec, value_spec, value_spec, decay_spec,
-                  pl.BlockSpec((None, block_v, dk_pad), lambda b, h, j: (h, j, 0)),
-                  bound_spec, bound_spec,
-                  value_spec] + [value_spec] * len(variance) + [state_spec, state_spec],
-        out_specs=[partial_spec] * 2 + [column_spec] * 3
-                  + [state_spec] * 3,
+        functools.partial(_with_variance(_backward_kernel, return_variance), scale=scale,
+                          dk=dk, dv=dv),
+        grid=(splits, batch, heads, v_tiles),
+        in_specs=[tokens, tokens, values, values, gates,
+                  pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
+                  bounds, bounds, values] + [values] * len(variance) + [state, state],
+        out_specs=[partial] * 2 + [columns] * 3 + [state] * 3,
         out_shape=[f32(v_tiles, num_chunks, batch, heads, chunk_size, dk)] * 2
                   + [f32(num_chunks, batch, heads, dv, chunk_size)] * 3
-                  + [f32(batch, heads, dv, dk)] * 3,
+                  + [f32(splits, batch, heads, dv, dk)] * 3,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="palimpsa_backward",
-    )(q, k, v, beta, decay, prior, *boundary_states, d_o, *variance, *d_final_state)
+    )(q, k, v, beta, decay, prior, *boundary_states, d_o, *variance, *d_entering)
     d_log_alpha = jnp.sum(d_decay, -2) * decay
     d_chunks = tuple(g.astype(x.dtype) for g, x in zip(
         (jnp.sum(dq, 0), jnp.sum(dk_, 0), jnp.swapaxes(dv_, -1, -2), jnp.swapaxes(dbeta, -1, -2),
          d_log_alpha), chunks))
-    return d_chunks, jnp.sum(d_prior, axis=0), (dM0, dIbar0)
+    return d_chunks, jnp.sum(d_prior, axis=(0, 1)), (dM0[0], dIbar0[0])
 
 
 def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
                         return_variance: bool, chunk_size: int = 16, interpret: bool = False,
                         block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
                         time_splits: int | None = None, backward_block_v: int = DEFAULT_BLOCK_V,
-                        backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS):
+                        backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
+                        backward_time_splits: int | None = None):
     """Pallas GPU backend; same arguments and returns as `palimpsa_reference`.
 
     Forward and backward are Pallas kernels under the shared chunked custom VJP; block_v,
-    num_warps (and time_splits) tune the forward, backward_block_v and backward_num_warps the
-    backward.
+    num_warps and time_splits tune the forward, backward_block_v, backward_num_warps and
+    backward_time_splits the backward (time splits: None picks them from the program count).
     `interpret=True` runs the same kernel body in Pallas interpret mode on any platform.
     """
     if not interpret and jax.default_backend() != "gpu":
@@ -372,4 +472,5 @@ def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, sc
         forward=functools.partial(forward, interpret=interpret, block_v=block_v,
                                   num_warps=num_warps, time_splits=time_splits),
         backward=functools.partial(backward, interpret=interpret, block_v=backward_block_v,
-                                   num_warps=backward_num_warps))
+                                   num_warps=backward_num_warps,
+                                   time_splits=backward_time_splits))

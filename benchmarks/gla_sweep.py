@@ -1,0 +1,81 @@
+"""Tuning sweep of the GLA Pallas GPU kernels (`kernels/gla/pallas_gpu.py`) per shape.
+
+Times forward and forward+backward (gradient of <o, w>) of `gla_pallas_gpu` for each
+configuration C,num_warps,block,num_stages (chunk size, warps of every kernel, state tile of the
+two sequential kernels, their load pipelining depth), beside the relative error of its output
+against the xla backend in the same dtype. Prints one line per case and a Markdown table last.
+
+    python -m benchmarks.gla_sweep --shapes mamba2 long_seq --configs 64,4,64,2 64,8,64,2
+    python -m benchmarks.gla_sweep --shapes tiny --configs 16,4,16,1 --interpret   # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import kernel_speed as bench
+from palimpsa_jax import kernels
+from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
+
+SHAPES = {**bench.SHAPES, "mamba2": bench.Shape("mamba2", 8, 2048, 24, 128, 64),
+          "gated_deltanet": bench.Shape("gated_deltanet", 8, 2048, 6, 128, 256)}
+
+
+def attention(q, k, v, log_alpha, chunk_size: int, num_warps: int, block: int, num_stages: int,
+              interpret: bool = False):
+    """gla_attention through the pallas_gpu backend with explicit tuning options."""
+    reset, log_alpha = chunking.resets(None, log_alpha)
+    S0 = jnp.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), jnp.float32)
+    o, _ = gla_pallas_gpu(q, k, v, log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
+                          chunk_size=chunk_size, block=block, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+    return o
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["lm_170m", "mamba2", "long_seq"],
+                        choices=sorted(SHAPES))
+    parser.add_argument("--configs", nargs="+", default=["64,4,64,2", "64,8,64,2", "64,4,32,2"],
+                        help="C,num_warps,block,num_stages")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--time-limit-s", type=float, default=300)
+    parser.add_argument("--interpret", action="store_true",
+                        help="Pallas interpret mode (a CPU smoke run, with --shapes tiny)")
+    args = parser.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    start = time.perf_counter()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.dtype}", flush=True)
+    rows = []
+    for name in args.shapes:
+        xs, w = bench.make_inputs(jax.random.key(0), SHAPES[name], jnp.dtype(args.dtype))
+        inputs = (xs["q"], xs["k"], xs["v"], xs["log_alpha"])
+        expected = jax.jit(lambda *a: kernels.gla_attention(*a, backend="xla"))(*inputs)
+        for config in configs:
+            if time.perf_counter() - start > args.time_limit_s:
+                print(f"time limit: skipped {name} {config}", flush=True)
+                continue
+            forward = jax.jit(lambda *a, config=config: attention(*a, *config,
+                                                                  interpret=args.interpret))
+            backward = jax.jit(jax.grad(
+                lambda *a, f=forward, w=w: jnp.vdot(f(*a).astype(jnp.float32), w),
+                argnums=(0, 1, 2, 3)))
+            error = bench.relative_error(forward(*inputs), expected)
+            medians = [statistics.median(bench.time_ms(program, [inputs], 15, 1.0))
+                       for program in (forward, backward)]
+            rows.append([name, SHAPES[name].dims, ",".join(map(str, config)),
+                         f"{medians[0]:.3f}", f"{medians[1]:.3f}", f"{error:.1e}"])
+            print(" | ".join(rows[-1]), flush=True)
+    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "C, warps, block, stages", "fwd ms",
+                                "fwd+bwd ms", "o rel. err. vs xla"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
