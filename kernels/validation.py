@@ -16,6 +16,16 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def check_platform(backend: str, platform: str, interpret) -> None:
+    """A Pallas backend runs its kernels on `platform` ("gpu" or "tpu") or, with `interpret`, in
+    Pallas interpret mode anywhere; elsewhere a ValueError naming the backend."""
+    if not interpret and jax.default_backend() != platform:
+        mode = "TPU interpret mode" if platform == "tpu" else "interpret mode"
+        raise ValueError(f"backend {backend!r} needs a {platform.upper()} (found "
+                         f"{jax.default_backend()!r}); pass interpret=True to run it in Pallas "
+                         f"{mode}")
+
+
 def check_floating(name: str, x) -> None:
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise ValueError(f"{name} must be a floating-point array, got dtype {jnp.result_type(x)}")

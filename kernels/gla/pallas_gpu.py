@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels import chunking, validation
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK = 64          # rows and columns of a state tile in the sequential kernels
@@ -300,10 +300,7 @@ def gla_pallas_gpu(q, k, v, log_alpha, S0, reset, *, scale: float,
     depth; num_warps: warps per program of every kernel. interpret=True runs the kernels in
     Pallas interpret mode on any platform.
     """
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError("backend 'pallas_gpu' needs a GPU (found "
-                         f"{jax.default_backend()!r}); pass interpret=True to run it in Pallas "
-                         "interpret mode")
+    validation.check_platform("pallas_gpu", "gpu", interpret)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if not interpret and (chunk_size < 16 or chunk_size & (chunk_size - 1)):

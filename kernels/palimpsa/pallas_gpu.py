@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels import chunking, validation
 from palimpsa_jax.kernels.palimpsa import chunk
 
 DEFAULT_BLOCK_V = 8
@@ -460,10 +460,7 @@ def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, sc
     backward_time_splits the backward (time splits: None picks them from the program count).
     `interpret=True` runs the same kernel body in Pallas interpret mode on any platform.
     """
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError("backend 'pallas_gpu' needs a GPU (found "
-                         f"{jax.default_backend()!r}); pass interpret=True to run it in Pallas "
-                         "interpret mode")
+    validation.check_platform("pallas_gpu", "gpu", interpret)
     if chunk_size & (chunk_size - 1) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a power of two for pallas_gpu, got {chunk_size}")
     return chunk.chunked(

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels import chunking, validation
 from palimpsa_jax.kernels.palimpsa import chunk
 
 DEFAULT_CHUNK_SIZE = 128
@@ -407,10 +407,7 @@ def palimpsa_pallas_tpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, sc
     `interpret=True` (or a `pltpu.InterpretParams`) runs the kernels in Pallas TPU interpret mode
     on any platform.
     """
-    if not interpret and jax.default_backend() != "tpu":
-        raise ValueError("backend 'pallas_tpu' needs a TPU (found "
-                         f"{jax.default_backend()!r}); pass interpret=True to run it in Pallas "
-                         "TPU interpret mode")
+    validation.check_platform("pallas_tpu", "tpu", interpret)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int for pallas_tpu, got {chunk_size!r}")
     _sub_chunk(chunk_size, sub_chunk)
