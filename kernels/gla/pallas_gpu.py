@@ -43,7 +43,7 @@ from palimpsa_jax.kernels import chunking, validation
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK = 64          # rows and columns of a state tile in the sequential kernels
 DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 2      # load pipelining of the two kernels that loop over chunks
+DEFAULT_NUM_STAGES = 2      # load pipelining of the scans over chunks (forward and reverse)
 
 
 def _width(size: int) -> int:
@@ -296,7 +296,7 @@ def gla_pallas_gpu(q, k, v, log_alpha, S0, reset, *, scale: float,
 
     chunk_size: tokens per chunk, a power of two of at least 16 on a GPU (Triton's matrix
     multiplies need 16 rows; in interpret mode any positive size). block: rows and columns of
-    the state tiles of the two kernels that loop over chunks; num_stages: their load pipelining
+    the state tiles of the scans over chunks (forward and reverse); num_stages: their load pipelining
     depth; num_warps: warps per program of every kernel. interpret=True runs the kernels in
     Pallas interpret mode on any platform.
     """
