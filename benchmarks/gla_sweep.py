@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                 continue
             forward = jax.jit(lambda *a, config=config: attention(*a, *config,
                                                                   interpret=args.interpret))
-            backward = jax.jit(jax.grad(
+            backward = jax.jit(jax.value_and_grad(   # the loss too: XLA keeps the forward
                 lambda *a, f=forward, w=w: jnp.vdot(f(*a).astype(jnp.float32), w),
                 argnums=(0, 1, 2, 3)))
             error = bench.relative_error(forward(*inputs), expected)

@@ -54,7 +54,7 @@ layer shape and at the Mamba2 / Gated DeltaNet layers' own shapes, forward (no g
 + backward (torch.autograd.grad of sum(o) w.r.t. q, k, v, g and beta), bf16 with float32 g,
 median of CUDA-event times after 3 warm-up calls; beside them ours (`gla_attention`,
 `gated_delta_attention`, every registered backend but the sequential reference, or --backends),
-jitted, forward and jax.grad of sum(o) on the same inputs, and the relative error of our o
+jitted, forward and jax.value_and_grad of sum(o) on the same inputs, and the relative error of our o
 against fla's. Model: fla's GatedDeltaNetForCausalLM at our gated_deltanet preset's sizes (same
 layers, heads, head and MLP widths, short convolutions, output gate, tied embeddings, vocabulary;
 fla's fused norm, SwiGLU and cross-entropy), torch AdamW (fused) with the same hyperparameters and
@@ -447,13 +447,15 @@ def kernel_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
 
 
 def time_ours(case: KernelCase, backend: str, xs: dict, repeats: int) -> dict:
-    """Median ms of our op's forward and jax.grad of sum(o), jitted, and o of the first sequence."""
+    """Median ms of our op's forward and of jax.value_and_grad of sum(o) (the forward and the
+    backward: with jax.grad alone XLA would drop the forward of a backend that recomputes in its
+    backward), jitted, and o of the first sequence."""
     fn, _, names = OURS[case.op]
     dtypes = {"log_alpha": jnp.float32}
     args = [jnp.asarray(xs[n], dtypes.get(n, jnp.bfloat16)) for n in names]
     forward = jax.jit(lambda *a: fn(*a, backend=backend))
-    backward = jax.jit(jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(),
-                                argnums=tuple(range(len(args)))))
+    backward = jax.jit(jax.value_and_grad(lambda *a: forward(*a).astype(jnp.float32).sum(),
+                                          argnums=tuple(range(len(args)))))
     return {"fwd_ms": median_ms(lambda: forward(*args), repeats),
             "fwd_bwd_ms": median_ms(lambda: backward(*args), repeats),
             "o": np.asarray(forward(*args)[0], np.float32)}

@@ -3,7 +3,8 @@
 `palimpsa_attention` (metaplastic), `gla_attention` (non-metaplastic Mamba2 / simple GLA) and
 `gated_delta_attention` (Gated DeltaNet) dispatch to backends: a sequential reference
 (`*_reference` in naive.py), a chunked pure-JAX path (`*_chunked` in chunk.py) and Pallas
-kernels (`palimpsa_pallas_gpu`, `palimpsa_pallas_tpu`, `gla_pallas_gpu`). Each returns `o`
+kernels (`palimpsa_pallas_gpu`, `palimpsa_pallas_tpu`, `gla_pallas_gpu`,
+`gated_delta_pallas_gpu`). Each returns `o`
 alone, or an `AttentionOutput` (o, final_state, variance) when an extra is asked for.
 `kernels.rules` holds the sequential update rules of the unified Bayesian view (Mamba2,
 DeltaNet, Gated DeltaNet, Longhorn, Mesa, Palimpsa).

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from palimpsa_jax.kernels import chunking, validation
 from palimpsa_jax.kernels.gated_deltanet.chunk import gated_delta_chunked
 from palimpsa_jax.kernels.gated_deltanet.naive import gated_delta_reference
+from palimpsa_jax.kernels.gated_deltanet.pallas_gpu import gated_delta_pallas_gpu
 from palimpsa_jax.kernels.gla.chunk import gla_chunked
 from palimpsa_jax.kernels.gla.naive import gla_reference
 from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
@@ -39,6 +40,7 @@ GLA_BACKENDS = {
 GATED_DELTA_BACKENDS = {
     "reference": gated_delta_reference,
     "xla": gated_delta_chunked,
+    "pallas_gpu": gated_delta_pallas_gpu,
 }
 PRIOR_LAYOUTS = ("(H,)", "(H, Dv)", "(H, Dv, Dk)")
 
@@ -174,7 +176,7 @@ def gla_attention(q, k, v, log_alpha, *, scale=None, initial_state=None, segment
 
 def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state=None,
                           segment_ids=None, return_final_state=False, backend="auto",
-                          chunk_size=None):
+                          chunk_size=None, interpret=None):
     """Gated DeltaNet: S_t = alpha_t S_{t-1} (Id - beta_t k_t k_tᵀ) + beta_t v_t k_tᵀ, o_t = scale S_t q_t.
 
     Args:
@@ -184,8 +186,9 @@ def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state
       log_alpha: (B, T, H) <= 0. The gates are computed in float32 whatever their dtype.
       initial_state: optional S_0 (B, H, Dv, Dk), default 0. segment_ids: optional (B, T)
       integers; the state resets to 0 at every change of id.
-      backend: "reference" (sequential scan), "xla" (chunked WY form) or "auto" (xla).
-      chunk_size: tokens per chunk for the chunked backend (default 64). Other arguments as
+      backend: "reference" (sequential scan), "xla" (chunked WY form), "pallas_gpu" (the WY
+      form as Pallas Triton kernels) or "auto" (pallas_gpu on GPUs, else xla).
+      chunk_size: tokens per chunk for the chunked backends (default 64). Other arguments as
       `palimpsa_attention`.
     Returns:
       o (B, T, H, Dv) in v's dtype, or with return_final_state an `AttentionOutput` whose
@@ -197,7 +200,8 @@ def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state
     validation.check_values("beta", beta, lambda b: b >= 0, ">= 0 everywhere")
     validation.check_segment_ids(segment_ids, batch, length)
     validation.check_scale(scale)
-    fn, options = resolve_backend(backend, GATED_DELTA_BACKENDS, chunk_size=chunk_size)
+    fn, options = resolve_backend(backend, GATED_DELTA_BACKENDS, chunk_size=chunk_size,
+                                  interpret=interpret)
 
     scale = dk**-0.5 if scale is None else float(scale)
     S0 = _initial_memory(initial_state, (batch, heads, dv, dk))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import backends
 from palimpsa_jax import kernels
 from palimpsa_jax.kernels import rules
+from palimpsa_jax.kernels.gated_deltanet.pallas_gpu import gated_delta_pallas_gpu
 from references import gated_delta_jax64, gated_delta_numpy, relative_error
 
 BACKENDS = sorted(kernels.GATED_DELTA_BACKENDS)
@@ -149,6 +150,33 @@ def test_stable_for_very_negative_log_alpha(backend):
     o_ref, _ = gated_delta_numpy(q, k, v, beta, log_alpha, 0.5)
     assert relative_error(o, o_ref) < 1e-5
     assert np.all(np.isfinite(jax.grad(loss)(log_alpha)))
+
+
+def test_pallas_gpu_tiles_and_doublings(monkeypatch):
+    """pallas_gpu walks the value and key axes in block-wide tiles (the scans, the local
+    cotangents and both gradient kernels) and inverts Id + A in log2(C) doublings: several tiles
+    over both axes, C = 32 (five doublings) and T not a multiple of C give the float64
+    reference's values, final state and gradients."""
+    B, T, H, Dk, Dv = 2, 45, 2, 20, 40            # padded to 32 x 64: 2 x 4 tiles of 16
+    monkeypatch.setitem(kernels.GATED_DELTA_BACKENDS, "pallas_gpu",
+                        functools.partial(gated_delta_pallas_gpu, block=16))
+    q, k, v, beta, log_alpha, segment_ids = random_inputs(5, B, T, H, Dk, Dv)
+    S0 = np.random.default_rng(6).normal(size=(B, H, Dv, Dk)).astype(np.float32)
+    backends.assert_gradients_match(
+        lambda *a: kernels.gated_delta_attention(
+            *a[:5], initial_state=a[5], segment_ids=segment_ids, return_final_state=True,
+            backend="pallas_gpu", chunk_size=32, **backends.options("pallas_gpu")),
+        lambda *a: gated_delta_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids),
+        (q, k, v, beta, log_alpha, S0), ["q", "k", "v", "beta", "log_alpha", "initial_state"])
+
+
+@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0)])
+def test_pallas_gpu_bad_options_raise_value_error_naming_them(option, value):
+    q, k, v, beta, log_alpha, _ = random_inputs(0, 1, 8, 1, 4, 4)
+    reset = np.zeros(log_alpha.shape, bool)
+    with pytest.raises(ValueError, match=f"^{option} "):
+        gated_delta_pallas_gpu(q, k, v, beta, log_alpha, np.zeros((1, 1, 4, 4), np.float32),
+                               reset, scale=0.5, interpret=True, **{option: value})
 
 
 @pytest.mark.parametrize("argument,changes", [

@@ -97,24 +97,12 @@ def test_pallas_gpu_state_tiles(monkeypatch):
                         functools.partial(gla_pallas_gpu, block=16))
     q, k, v, _, log_alpha, _, segment_ids = random_inputs(5, B, T, H, Dk, Dv)
     S0 = np.random.default_rng(6).normal(size=(B, H, Dv, Dk)).astype(np.float32)
-    w_o, w_S = np.random.default_rng(7).normal(size=(B, T, H, Dv)), np.random.default_rng(8).normal(size=S0.shape)
-
-    def grad(kernel):
-        def loss(*args):
-            o, S = kernel(*args)[:2]
-            return jnp.sum(w_o * o) + jnp.sum(w_S * S)
-        return jax.value_and_grad(loss, argnums=tuple(range(5)))
-
-    ours = grad(lambda *a: kernels.gla_attention(
-        *a[:4], initial_state=a[4], segment_ids=segment_ids, return_final_state=True,
-        backend="pallas_gpu", chunk_size=16, **backends.options("pallas_gpu")))
-    with backends.x64_mode(True):
-        reference = grad(lambda *a: gla_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids))(
-            *(jnp.asarray(x, jnp.float64) for x in (q, k, v, log_alpha, S0)))
-    (value, grads) = ours(q, k, v, log_alpha, S0)
-    assert relative_error(value, reference[0]) < 1e-5
-    for name, g, g_ref in zip(["q", "k", "v", "log_alpha", "initial_state"], grads, reference[1]):
-        assert relative_error(g, g_ref) < 2e-5, name
+    backends.assert_gradients_match(
+        lambda *a: kernels.gla_attention(
+            *a[:4], initial_state=a[4], segment_ids=segment_ids, return_final_state=True,
+            backend="pallas_gpu", chunk_size=16, **backends.options("pallas_gpu")),
+        lambda *a: gla_jax64(*a, scale=Dk**-0.5, segment_ids=segment_ids),
+        (q, k, v, log_alpha, S0), ["q", "k", "v", "log_alpha", "initial_state"])
 
 
 @pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0)])

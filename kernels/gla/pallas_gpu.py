@@ -46,12 +46,12 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2      # load pipelining of the scans over chunks (forward and reverse)
 
 
-def _width(size: int) -> int:
+def width(size: int) -> int:
     """A feature axis padded inside the kernels: a power of two, at least 16 (Triton's dot)."""
     return max(16, pl.next_power_of_2(size))
 
 
-def _dot(a, b, contract: tuple[int, int], dtype):
+def dot(a, b, contract: tuple[int, int], dtype):
     """a · b contracting axis contract[0] of a with axis contract[1] of b (2-D), float32 sums,
     operands cast to `dtype`; float32 operands multiply in IEEE float32 (Triton's default for
     them is TF32)."""
@@ -61,7 +61,7 @@ def _dot(a, b, contract: tuple[int, int], dtype):
                                preferred_element_type=jnp.float32)
 
 
-def _gates(g, seg, g_last, seg_last):
+def gates(g, seg, g_last, seg_last):
     """decay (C, C) as exp(g_t - g_s) where valid (a select; 0 elsewhere), the validity mask,
     from_start (C,), to_end (C,) and carry (scalar) of one chunk."""
     size = g.shape[0]
@@ -74,19 +74,19 @@ def _gates(g, seg, g_last, seg_last):
     return decay, same, from_start, to_end, carry
 
 
-def _masks(width: int, size: int, tile_axis: int | None = None):
-    """(width,) bool, True for the columns < size of this program's tile along `tile_axis`."""
-    start = 0 if tile_axis is None else pl.program_id(tile_axis) * width
-    return start + jnp.arange(width) < size
+def masks(columns: int, size: int, tile_axis: int | None = None):
+    """(columns,) bool, True for the columns < size of this program's tile along `tile_axis`."""
+    start = 0 if tile_axis is None else pl.program_id(tile_axis) * columns
+    return start + jnp.arange(columns) < size
 
 
-def _load_rows(ref, mask, dtype=None):
+def load_rows(ref, mask, dtype=None):
     """A (rows, width) block, zero in the masked columns."""
     x = plgpu.load(ref, mask=mask[None, :], other=0.0)
     return x if dtype is None else x.astype(dtype)
 
 
-def _chunk_gates(g_ref, seg_ref, start, chunk_size):
+def chunk_gates(g_ref, seg_ref, start, chunk_size):
     """g, seg (C,) of the chunk starting at token `start` of a (T,) block, and its last g, seg."""
     rows = pl.ds(start, chunk_size)
     last = start + chunk_size - 1
@@ -103,35 +103,35 @@ def _scan_kernel(keys_ref, values_ref, g_ref, seg_ref, init_ref, each_ref, last_
     weight scale ⊙ from_start; what it stores per chunk is dS_out, what it ends with dS_0.
     """
     num_chunks, block_v, block_k = each_ref.shape
-    k_mask, v_mask = _masks(block_k, dk, 3), _masks(block_v, dv, 2)
+    k_mask, v_mask = masks(block_k, dk, 3), masks(block_v, dv, 2)
 
     def chunk(r, X):
         n = num_chunks - 1 - r if reverse else r
         each_ref[n] = X
         start = n * chunk_size
         rows = pl.ds(start, chunk_size)
-        g, seg, g_last, seg_last = _chunk_gates(g_ref, seg_ref, start, chunk_size)
-        _, _, from_start, to_end, carry = _gates(g, seg, g_last, seg_last)
+        g, seg, g_last, seg_last = chunk_gates(g_ref, seg_ref, start, chunk_size)
+        _, _, from_start, to_end, carry = gates(g, seg, g_last, seg_last)
         weight = scale * from_start if reverse else to_end
-        keys = _load_rows(keys_ref.at[rows], k_mask)
-        values = _load_rows(values_ref.at[rows], v_mask, jnp.float32)
-        return carry * X + _dot(weight[:, None] * values, keys, (0, 0), dtype)
+        keys = load_rows(keys_ref.at[rows], k_mask)
+        values = load_rows(values_ref.at[rows], v_mask, jnp.float32)
+        return carry * X + dot(weight[:, None] * values, keys, (0, 0), dtype)
 
     last_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, init_ref[...])
 
 
 def _output_kernel(q_ref, k_ref, v_ref, g_ref, seg_ref, S_in_ref, o_ref, *, scale, dk, dv, dtype):
     """One (b, h, chunk, v-tile) program: the chunk's outputs from its entering state."""
-    k_mask, v_mask = _masks(q_ref.shape[-1], dk), _masks(v_ref.shape[-1], dv, 3)
+    k_mask, v_mask = masks(q_ref.shape[-1], dk), masks(v_ref.shape[-1], dv, 3)
     g, seg = g_ref[...], seg_ref[...]
     last = g.shape[0] - 1
-    decay, same, from_start, _, _ = _gates(g, seg, g_ref[last], seg_ref[last])
-    q, k = _load_rows(q_ref, k_mask), _load_rows(k_ref, k_mask)
-    v = _load_rows(v_ref, v_mask)
+    decay, same, from_start, _, _ = gates(g, seg, g_ref[last], seg_ref[last])
+    q, k = load_rows(q_ref, k_mask), load_rows(k_ref, k_mask)
+    v = load_rows(v_ref, v_mask)
     bad = ~jnp.isfinite(v)
-    scores = jnp.where(same, _dot(q, k, (1, 1), dtype) * decay, 0.0)
-    o = (_dot(scores, jnp.where(bad, 0.0, v), (1, 0), dtype)
-         + from_start[:, None] * _dot(q, S_in_ref[...], (1, 1), dtype))
+    scores = jnp.where(same, dot(q, k, (1, 1), dtype) * decay, 0.0)
+    o = (dot(scores, jnp.where(bad, 0.0, v), (1, 0), dtype)
+         + from_start[:, None] * dot(q, S_in_ref[...], (1, 1), dtype))
     poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=0) > 0
     plgpu.store(o_ref, jnp.where(poisoned, jnp.nan, scale * o).astype(o_ref.dtype),
                 mask=v_mask[None, :])
@@ -140,20 +140,20 @@ def _output_kernel(q_ref, k_ref, v_ref, g_ref, seg_ref, S_in_ref, o_ref, *, scal
 def _gradients_kernel(q_ref, k_ref, v_ref, do_ref, g_ref, seg_ref, S_in_ref, dS_out_ref,
                       dq_ref, dk_ref, dv_ref, dg_ref, *, scale, dk, dv, dtype):
     """One (b, h, chunk) program: the gradients of the chunk's inputs."""
-    k_mask, v_mask = _masks(q_ref.shape[-1], dk), _masks(v_ref.shape[-1], dv)
+    k_mask, v_mask = masks(q_ref.shape[-1], dk), masks(v_ref.shape[-1], dv)
     g, seg = g_ref[...], seg_ref[...]
     last = g.shape[0] - 1
-    decay, same, from_start, to_end, carry = _gates(g, seg, g_ref[last], seg_ref[last])
-    q, k = _load_rows(q_ref, k_mask), _load_rows(k_ref, k_mask)
-    v, do = _load_rows(v_ref, v_mask), _load_rows(do_ref, v_mask)
+    decay, same, from_start, to_end, carry = gates(g, seg, g_ref[last], seg_ref[last])
+    q, k = load_rows(q_ref, k_mask), load_rows(k_ref, k_mask)
+    v, do = load_rows(v_ref, v_mask), load_rows(do_ref, v_mask)
     S_in, dS_out = S_in_ref[...], dS_out_ref[...]
-    scores = jnp.where(same, _dot(q, k, (1, 1), dtype) * decay, 0.0)
-    d_scores = jnp.where(same, scale * _dot(do, v, (1, 1), dtype) * decay, 0.0)
-    dq = _dot(d_scores, k, (1, 0), dtype) + (scale * from_start)[:, None] * _dot(do, S_in, (1, 0), dtype)
-    dk_state = to_end[:, None] * _dot(v, dS_out, (1, 0), dtype)
-    dk_ = _dot(d_scores, q, (0, 0), dtype) + dk_state
-    dv_ = (_dot(scale * scores, do, (0, 0), dtype)
-           + to_end[:, None] * _dot(k, dS_out, (1, 1), dtype))
+    scores = jnp.where(same, dot(q, k, (1, 1), dtype) * decay, 0.0)
+    d_scores = jnp.where(same, scale * dot(do, v, (1, 1), dtype) * decay, 0.0)
+    dq = dot(d_scores, k, (1, 0), dtype) + (scale * from_start)[:, None] * dot(do, S_in, (1, 0), dtype)
+    dk_state = to_end[:, None] * dot(v, dS_out, (1, 0), dtype)
+    dk_ = dot(d_scores, q, (0, 0), dtype) + dk_state
+    dv_ = (dot(scale * scores, do, (0, 0), dtype)
+           + to_end[:, None] * dot(k, dS_out, (1, 1), dtype))
     q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
     dg = jnp.sum(q32 * dq, axis=1) - jnp.sum(k32 * dk_, axis=1)
     through_end = carry * jnp.sum(dS_out * S_in) + jnp.sum(k32 * dk_state)
@@ -163,7 +163,7 @@ def _gradients_kernel(q_ref, k_ref, v_ref, do_ref, g_ref, seg_ref, S_in_ref, dS_
     plgpu.store(dv_ref, dv_.astype(dv_ref.dtype), mask=v_mask[None, :])
 
 
-class _Config(NamedTuple):
+class Config(NamedTuple):
     """The static settings of one call."""
     chunk_size: int
     scale: float
@@ -173,7 +173,7 @@ class _Config(NamedTuple):
     interpret: bool
 
 
-def _compiler(config, name: str, sequential: bool = False) -> dict:
+def compiler(config, name: str, sequential: bool = False) -> dict:
     """pallas_call settings; `sequential` kernels loop over chunks and pipeline their loads
     config.num_stages deep."""
     stages = config.num_stages if sequential else 1
@@ -181,11 +181,11 @@ def _compiler(config, name: str, sequential: bool = False) -> dict:
                 interpret=config.interpret, name=name)
 
 
-def _sizes(q, v, block: int):
+def sizes(q, v, block: int):
     """(B, T, H, Dk, Dv, Dk padded, Dv padded, state tile rows, state tile columns)."""
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]
-    dk_pad, dv_pad = _width(dk), _width(dv)
+    dk_pad, dv_pad = width(dk), width(dv)
     return batch, length, heads, dk, dv, dk_pad, dv_pad, min(block, dv_pad), min(block, dk_pad)
 
 
@@ -193,7 +193,7 @@ def _scan(keys, values, g, seg, init, config, *, reverse: bool):
     """`_scan_kernel` over every (b, h) and state tile: keys (B, T, H, Dk), values (B, T, H, Dv),
     init (B, H, Dv', Dk') float32. Returns the tile entering each chunk (B, H, N, Dv', Dk') and
     the last (B, H, Dv', Dk'), float32 (padded)."""
-    batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, block_k = _sizes(keys, values,
+    batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, block_k = sizes(keys, values,
                                                                              config.block)
     num_chunks = length // config.chunk_size
     state = pl.BlockSpec((None, None, block_v, block_k), lambda b, h, i, j: (b, h, i, j))
@@ -209,14 +209,14 @@ def _scan(keys, values, g, seg, init, config, *, reverse: bool):
                                 lambda b, h, i, j: (b, h, 0, i, j)), state],
         out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, dv_pad, dk_pad), jnp.float32),
                    jax.ShapeDtypeStruct((batch, heads, dv_pad, dk_pad), jnp.float32)],
-        **_compiler(config, "gla_state_cotangents" if reverse else "gla_states", sequential=True),
+        **compiler(config, "gla_state_cotangents" if reverse else "gla_states", sequential=True),
     )(keys, values, g, seg, init)
 
 
-def _output(q, k, v, g, seg, S_in, config):
+def output(q, k, v, g, seg, S_in, config):
     """o (B, T, H, Dv) in v's dtype."""
     chunk_size, scale, block = config.chunk_size, config.scale, config.block
-    batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = _sizes(q, v, block)
+    batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = sizes(q, v, block)
     tokens = lambda width: pl.BlockSpec((None, chunk_size, None, width),
                                         lambda b, h, n, i: (b, n, h, 0))
     values = pl.BlockSpec((None, chunk_size, None, block_v), lambda b, h, n, i: (b, n, h, i))
@@ -230,14 +230,14 @@ def _output(q, k, v, g, seg, S_in, config):
                                lambda b, h, n, i: (b, h, n, i, 0))],
         out_specs=values,
         out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-        **_compiler(config, "gla_output"),
+        **compiler(config, "gla_output"),
     )(q, k, v, g, seg, S_in)
 
 
 def _gradients(q, k, v, do, g, seg, S_in, dS_out, config):
     """dq, dk (B, T, H, Dk), dv (B, T, H, Dv) in the inputs' dtypes and dL/dg (B, H, T) float32."""
     chunk_size, scale = config.chunk_size, config.scale
-    batch, length, heads, dk, dv, dk_pad, dv_pad, _, _ = _sizes(q, v, config.block)
+    batch, length, heads, dk, dv, dk_pad, dv_pad, _, _ = sizes(q, v, config.block)
     tokens = lambda width: pl.BlockSpec((None, chunk_size, None, width),
                                         lambda b, h, n: (b, n, h, 0))
     gates = pl.BlockSpec((None, None, chunk_size), lambda b, h, n: (b, h, n))
@@ -252,11 +252,11 @@ def _gradients(q, k, v, do, g, seg, S_in, dS_out, config):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype),
                    jax.ShapeDtypeStruct(g.shape, jnp.float32)],
-        **_compiler(config, "gla_gradients"),
+        **compiler(config, "gla_gradients"),
     )(q, k, v, do, g, seg, S_in, dS_out)
 
 
-def _pad_state(S, dv_pad: int, dk_pad: int):
+def pad_state(S, dv_pad: int, dk_pad: int):
     return chunking.pad_axis(chunking.pad_axis(S, -2, dv_pad), -1, dk_pad)
 
 
@@ -267,9 +267,9 @@ def _gla(q, k, v, g, seg, S0, config):
 
 def _gla_fwd(q, k, v, g, seg, S0, config):
     dk, dv = q.shape[-1], v.shape[-1]
-    S0 = _pad_state(S0, _width(dv), _width(dk))
+    S0 = pad_state(S0, width(dv), width(dk))
     S_in, S = _scan(k, v, g, seg, S0, config, reverse=False)
-    o = _output(q, k, v, g, seg, S_in, config)
+    o = output(q, k, v, g, seg, S_in, config)
     return (o, S[..., :dv, :dk]), (q, k, v, g, seg, S0)
 
 
@@ -278,7 +278,7 @@ def _gla_bwd(config, residuals, cotangents):
     do, dS = cotangents
     dv_pad, dk_pad = S0.shape[-2:]
     S_in, _ = _scan(k, v, g, seg, S0, config, reverse=False)
-    dS_out, dS0 = _scan(q, do.astype(v.dtype), g, seg, _pad_state(dS, dv_pad, dk_pad), config,
+    dS_out, dS0 = _scan(q, do.astype(v.dtype), g, seg, pad_state(dS, dv_pad, dk_pad), config,
                         reverse=True)
     dq, dk_, dv_, dg = _gradients(q, k, v, do.astype(v.dtype), g, seg, S_in, dS_out, config)
     return dq, dk_, dv_, dg, None, dS0[..., :v.shape[-1], :q.shape[-1]]
@@ -300,22 +300,37 @@ def gla_pallas_gpu(q, k, v, log_alpha, S0, reset, *, scale: float,
     depth; num_warps: warps per program of every kernel. interpret=True runs the kernels in
     Pallas interpret mode on any platform.
     """
+    check_options(chunk_size, block, interpret)
+    length = q.shape[1]
+    (q, k, v), g, seg = chunk_inputs((q, k, v), log_alpha, reset, chunk_size)
+    config = Config(chunk_size, scale, block, num_warps, num_stages, interpret)
+    o, S = _gla(q, k, v, g, seg, S0, config)
+    return o[:, :length], S
+
+
+def check_options(chunk_size, block, interpret) -> None:
+    """The options of the Pallas GPU chunked backends (GLA, gated delta rule): ValueError naming
+    the bad one."""
     validation.check_platform("pallas_gpu", "gpu", interpret)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if not interpret and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
         raise ValueError("chunk_size must be a power of two of at least 16 for pallas_gpu on a "
                          f"GPU, got {chunk_size}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two of at least 16, got {block}")
-    batch, length, heads, _ = q.shape
+    if not (isinstance(block, int) and block >= 16 and not block & (block - 1)):
+        raise ValueError(f"block must be a power of two of at least 16, got {block!r}")
+
+
+def chunk_inputs(tokens, log_alpha, reset, chunk_size: int):
+    """The (B, T, H, ...) arrays `tokens` padded to whole chunks, and the gates the kernels take:
+    g, the chunk-local cumulative sum of log_alpha, and seg, the chunk-local count of resets,
+    both (B, H, T') with T' the padded length."""
+    batch, length, heads = log_alpha.shape
     padded = chunking.round_up(length, chunk_size)
-    q, k, v = (chunking.pad_axis(x, 1, padded) for x in (q, k, v))
+    tokens = tuple(chunking.pad_axis(x, 1, padded) for x in tokens)
     log_alpha, reset = chunking.pad_axis(log_alpha, 1, padded), chunking.pad_axis(reset, 1, padded)
     per_chunk = lambda x: x.reshape(batch, padded // chunk_size, chunk_size, heads)
     g = jnp.cumsum(per_chunk(log_alpha), axis=2)
     seg = jnp.cumsum(per_chunk(reset.astype(jnp.int32)), axis=2)
-    to_heads = lambda x: jnp.moveaxis(x.reshape(batch, padded, heads), 1, 2)   # (B, H, T)
-    config = _Config(chunk_size, scale, block, num_warps, num_stages, interpret)
-    o, S = _gla(q, k, v, to_heads(g), to_heads(seg), S0, config)
-    return o[:, :length], S
+    to_heads = lambda x: jnp.moveaxis(x.reshape(batch, padded, heads), 1, 2)   # (B, H, T')
+    return tokens, to_heads(g), to_heads(seg)
