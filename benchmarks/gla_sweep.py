@@ -1,11 +1,14 @@
-"""Tuning sweep of the GLA Pallas GPU kernels (`kernels/gla/pallas_gpu.py`) per shape.
+"""Tuning sweep of the chunked Pallas GPU kernels per shape: GLA's (`kernels/gla/pallas_gpu.py`)
+or, with --op gated_delta, the gated delta rule's (`kernels/gated_deltanet/pallas_gpu.py`).
 
-Times forward and forward+backward (gradient of <o, w>) of `gla_pallas_gpu` for each
-configuration C,num_warps,block,num_stages (chunk size, warps of every kernel, state tile of the
-two sequential kernels, their load pipelining depth), beside the relative error of its output
-against the xla backend in the same dtype. Prints one line per case and a Markdown table last.
+Times forward and forward+backward (the loss <o, w> and its gradient) of the op's pallas_gpu
+backend for each configuration C,num_warps,block,num_stages (chunk size, warps of every kernel,
+the state / value tile width, the sequential kernels' load pipelining depth), beside the relative
+error of its output against the xla backend in the same dtype. Prints one line per case and a
+Markdown table last.
 
     python -m benchmarks.gla_sweep --shapes mamba2 long_seq --configs 64,4,64,2 64,8,64,2
+    python -m benchmarks.gla_sweep --op gated_delta --shapes lm_170m gated_deltanet
     python -m benchmarks.gla_sweep --shapes tiny --configs 16,4,16,1 --interpret   # CPU smoke run
 """
 from __future__ import annotations
@@ -21,25 +24,42 @@ import jax.numpy as jnp
 from benchmarks import kernel_speed as bench
 from palimpsa_jax import kernels
 from palimpsa_jax.kernels import chunking
+from palimpsa_jax.kernels.gated_deltanet.pallas_gpu import gated_delta_pallas_gpu
 from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
 
 SHAPES = {**bench.SHAPES, "mamba2": bench.Shape("mamba2", 8, 2048, 24, 128, 64),
           "gated_deltanet": bench.Shape("gated_deltanet", 8, 2048, 6, 128, 256)}
 
 
-def attention(q, k, v, log_alpha, chunk_size: int, num_warps: int, block: int, num_stages: int,
+# op -> (its pallas_gpu backend, its entry point)
+OPS = {"gla": (gla_pallas_gpu, kernels.gla_attention),
+       "gated_delta": (gated_delta_pallas_gpu, kernels.gated_delta_attention)}
+
+
+def op_inputs(op: str, xs: dict) -> tuple:
+    """The op's arguments from `kernel_speed.make_inputs`: (q, k, v[, beta], log_alpha), the
+    gated delta rule's scalar beta in (0, 1) from the first feature of make_inputs' beta."""
+    if op == "gla":
+        return xs["q"], xs["k"], xs["v"], xs["log_alpha"]
+    beta = xs["beta"][..., 0].astype(jnp.float32)
+    return xs["q"], xs["k"], xs["v"], beta / (1 + beta), xs["log_alpha"]
+
+
+def attention(op: str, *inputs, chunk_size: int, num_warps: int, block: int, num_stages: int,
               interpret: bool = False):
-    """gla_attention through the pallas_gpu backend with explicit tuning options."""
-    reset, log_alpha = chunking.resets(None, log_alpha)
+    """The op through its pallas_gpu backend with explicit tuning options."""
+    q, v = inputs[0], inputs[2]
+    reset, log_alpha = chunking.resets(None, inputs[-1])
     S0 = jnp.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), jnp.float32)
-    o, _ = gla_pallas_gpu(q, k, v, log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
-                          chunk_size=chunk_size, block=block, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
+    o, _ = OPS[op][0](*inputs[:-1], log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
+                      chunk_size=chunk_size, block=block, num_warps=num_warps,
+                      num_stages=num_stages, interpret=interpret)
     return o
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=sorted(OPS), default="gla")
     parser.add_argument("--shapes", nargs="+", default=["lm_170m", "mamba2", "long_seq"],
                         choices=sorted(SHAPES))
     parser.add_argument("--configs", nargs="+", default=["64,4,64,2", "64,8,64,2", "64,4,32,2"],
@@ -51,21 +71,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     start = time.perf_counter()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.dtype}", flush=True)
+    print(f"{args.op}: jax {jax.__version__} on {jax.devices()[0].device_kind}, {args.dtype}",
+          flush=True)
     rows = []
     for name in args.shapes:
         xs, w = bench.make_inputs(jax.random.key(0), SHAPES[name], jnp.dtype(args.dtype))
-        inputs = (xs["q"], xs["k"], xs["v"], xs["log_alpha"])
-        expected = jax.jit(lambda *a: kernels.gla_attention(*a, backend="xla"))(*inputs)
+        inputs = op_inputs(args.op, xs)
+        expected = jax.jit(lambda *a: OPS[args.op][1](*a, backend="xla"))(*inputs)
         for config in configs:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}", flush=True)
                 continue
-            forward = jax.jit(lambda *a, config=config: attention(*a, *config,
-                                                                  interpret=args.interpret))
+            options = dict(zip(("chunk_size", "num_warps", "block", "num_stages"), config))
+            forward = jax.jit(lambda *a, options=options: attention(
+                args.op, *a, **options, interpret=args.interpret))
             backward = jax.jit(jax.value_and_grad(   # the loss too: XLA keeps the forward
                 lambda *a, f=forward, w=w: jnp.vdot(f(*a).astype(jnp.float32), w),
-                argnums=(0, 1, 2, 3)))
+                argnums=tuple(range(len(inputs)))))
             error = bench.relative_error(forward(*inputs), expected)
             medians = [statistics.median(bench.time_ms(program, [inputs], 15, 1.0))
                        for program in (forward, backward)]

@@ -149,13 +149,16 @@ def test_smoke_surgery_in_small_prints_its_table(tmp_path):
 
 
 @pytest.mark.smoke
-def test_gla_sweep_smoke_run_in_interpret_mode():
-    """`benchmarks.gla_sweep` in Pallas interpret mode on the CPU: a row per (shape,
-    configuration), positive times, and the float32 output within 1e-5 of the xla backend's."""
+@pytest.mark.parametrize("op", ["gla", "gated_delta"])
+def test_gla_sweep_smoke_run_in_interpret_mode(op):
+    """`benchmarks.gla_sweep` in Pallas interpret mode on the CPU, for both ops: a row per
+    (shape, configuration), positive times, and the float32 output within 1e-5 of the xla
+    backend's."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gla_sweep", "--shapes", "tiny", "tiny_ragged",
-         "--configs", "16,4,16,1", "32,4,16,2", "--interpret", "--dtype", "float32"],
+        [sys.executable, "-m", "benchmarks.gla_sweep", "--op", op, "--shapes", "tiny",
+         "tiny_ragged", "--configs", "16,4,16,1", "32,4,16,2", "--interpret", "--dtype",
+         "float32"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| tiny")]

@@ -1,15 +1,18 @@
 """The causal language model: presets and their sizes, config validation, decoding with the
 cache, packed sequences, sampling, weight-decay mask and sharding names."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from palimpsa_jax import kernels
 from palimpsa_jax.layers import Attention, GatedDeltaNet, Mamba2, PalimpsaD, PalimpsaM
 from palimpsa_jax.layers.common import embedding_lookup
 from palimpsa_jax.models import (
@@ -230,3 +233,39 @@ def test_embedding_gradient_equals_the_scatter_add(vocab, shape, zeros, seed):
     np.add.at(expected, tokens.reshape(-1), weights.reshape(-1, 5))
     np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(embedding_lookup(table, tokens), table[tokens])
+
+
+def test_pallas_gpu_models_train_like_xla(monkeypatch):
+    """A model of the three recurrent mixers, trained 3 AdamW steps in float32 on the pallas_gpu
+    kernels (Pallas interpret mode on CPU) and on the xla ones: the same losses, step by step,
+    and the same parameters after them."""
+    for registry in (kernels.PALIMPSA_BACKENDS, kernels.GLA_BACKENDS,
+                     kernels.GATED_DELTA_BACKENDS):
+        monkeypatch.setitem(registry, "pallas_gpu",
+                            functools.partial(registry["pallas_gpu"], interpret=True))
+    x = tokens(5, 2, 11)
+
+    def loss(model):
+        logits, _ = model(x[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), x[:, 1:, None], -1))
+
+    def train(backend):
+        config = HYBRID.replace(mixers=("palimpsa_d", "mamba2", "gated_deltanet"),
+                                backend=backend)
+        model = nnx.jit(lambda: CausalLM(config, rngs=nnx.Rngs(0)))()
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            value, grads = nnx.value_and_grad(loss)(model)
+            optimizer.update(model, grads)
+            return value
+
+        losses = [float(step(model, optimizer)) for _ in range(3)]
+        return losses, jax.tree.leaves(nnx.state(model, nnx.Param))
+
+    (losses, params), (losses_ref, params_ref) = train("pallas_gpu"), train("xla")
+    np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for p, p_ref in zip(params, params_ref):
+        assert relative_error(p, p_ref) < 1e-4

@@ -70,7 +70,7 @@ def _unit_lower_inverse(L, exact: bool):
     mm = lambda a, b: jax.lax.dot(a, b, precision=precision, preferred_element_type=_F32)
     size = L.shape[0]
     rows, columns = jnp.arange(size)[:, None], jnp.arange(size)[None, :]
-    X = jnp.where(rows == columns, 1.0, 0.0)
+    X = (rows == columns).astype(_F32)
     block = 1
     while block < size:
         pair = (rows // (2 * block) == columns // (2 * block)) & (rows // block > columns // block)

@@ -12,7 +12,7 @@ from palimpsa_jax.layers.init import DEFAULT_INIT, Init
 from palimpsa_jax.layers.memory import PRIOR_FAMILIES
 
 MIXER_NAMES = ("palimpsa_d", "palimpsa_m", "mamba2", "gated_deltanet", "attention")
-BACKENDS = ("auto", "reference", "xla")   # those of every kernel; "auto" = best per kernel
+BACKENDS = ("auto", "reference", "xla", "pallas_gpu")   # those of every kernel; "auto" = best per kernel
 FINAL_NORMS = ("rmsnorm", "layernorm")
 RULE_PREFIX = "rule_"     # "rule_<name>": kernels.rules.RULES[name] as a layer
 
