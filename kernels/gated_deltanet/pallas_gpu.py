@@ -63,19 +63,24 @@ def _unit_lower_inverse(L, exact: bool):
     masks (no slicing of registers): with X the inverse of the block diagonal of Id + L in blocks
     of b, the blocks of 2b have the inverse X - X L_b X, L_b the part of L below the diagonal
     blocks of b inside those of 2b (exact: (X L_b)² = 0). From X = Id, ceil(log2(n)) doublings
-    of two float32 matrix multiplies each: IEEE if `exact`, else TF32 on a GPU (for 16-bit
-    inputs: T then carries about 1e-3 relative error, below the 16-bit rounding of the products
-    that use it)."""
+    of two float32 matrix multiplies each: TF32 on a GPU for 16-bit inputs (T then carries about
+    1e-3 relative error, below the 16-bit rounding of the products that use it), unrolled; IEEE
+    if `exact`, in a loop (unrolled, Triton's IEEE products, FMA code, took minutes to compile)."""
     precision = jax.lax.Precision.HIGHEST if exact else None
     mm = lambda a, b: jax.lax.dot(a, b, precision=precision, preferred_element_type=_F32)
     size = L.shape[0]
     rows, columns = jnp.arange(size)[:, None], jnp.arange(size)[None, :]
-    X = (rows == columns).astype(_F32)
-    block = 1
-    while block < size:
+
+    def double(step, X):
+        block = 1 << step
         pair = (rows // (2 * block) == columns // (2 * block)) & (rows // block > columns // block)
-        X = X - mm(X, mm(jnp.where(pair, L, 0.0), X))
-        block *= 2
+        return X - mm(X, mm(jnp.where(pair, L, 0.0), X))
+
+    X, steps = (rows == columns).astype(_F32), (size - 1).bit_length()
+    if exact:
+        return jax.lax.fori_loop(0, steps, double, X)
+    for step in range(steps):
+        X = double(step, X)
     return X
 
 
