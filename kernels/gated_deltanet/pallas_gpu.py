@@ -31,7 +31,8 @@ The backward recomputes prepare (keeping T) and states, then
 Only the inputs are saved for the backward. As in `kernels.gla.pallas_gpu`, g is the
 chunk-local cumulative sum of log_alpha (XLA's, differentiated by autodiff), feature axes are
 padded inside the kernels to powers of two (at least 16) and T to whole chunks, 16-bit inputs
-multiply in 16 bits with float32 sums, float32 inputs in IEEE float32, and states are float32.
+multiply in 16 bits with float32 sums (the T doublings in TF32), float32 inputs in IEEE float32,
+and states are float32.
 
 Causality whatever the values: prepare replaces non-finite k, v, beta and g by 0 and sets W and
 U~ to NaN from the first bad token of the chunk on (U~ per value column for a bad v); U carries
@@ -63,9 +64,10 @@ def _unit_lower_inverse(L, exact: bool):
     masks (no slicing of registers): with X the inverse of the block diagonal of Id + L in blocks
     of b, the blocks of 2b have the inverse X - X L_b X, L_b the part of L below the diagonal
     blocks of b inside those of 2b (exact: (X L_b)² = 0). From X = Id, ceil(log2(n)) doublings
-    of two float32 matrix multiplies each: TF32 on a GPU for 16-bit inputs (T then carries about
-    1e-3 relative error, below the 16-bit rounding of the products that use it), unrolled; IEEE
-    if `exact`, in a loop (unrolled, Triton's IEEE products, FMA code, took minutes to compile)."""
+    of two float32 matrix multiplies each: for 16-bit inputs TF32 on a GPU (operands rounded to
+    10 mantissa bits, finer than the 16-bit rounding of the products that then use T), unrolled;
+    if `exact`, IEEE, in a loop (unrolled, Triton's IEEE products, FMA code, took minutes to
+    compile)."""
     precision = jax.lax.Precision.HIGHEST if exact else None
     mm = lambda a, b: jax.lax.dot(a, b, precision=precision, preferred_element_type=_F32)
     size = L.shape[0]
