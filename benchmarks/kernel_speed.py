@@ -2,7 +2,8 @@
 
 Times the forward and the forward+backward (gradient of <o, w> w.r.t. every differentiable
 input, under `jax.jit`) of each `palimpsa_attention` backend, per chunk size for the chunked
-ones, and of each `gla_attention` backend (the non-metaplastic speed of light), over the reference
+ones, and of each `gla_attention` backend (the non-metaplastic speed of light) and each
+`gated_delta_attention` backend (Gated DeltaNet), over the reference
 shapes (README "Benchmarks"). Every row is set against the authors' Triton kernel and the ceiling. Before a
 shape is timed, each chunked backend is checked in float32 against the sequential reference;
 the exit status is 1 if any relative error exceeds the tolerance, a case fails or a shape is
@@ -85,8 +86,11 @@ SHAPES = {s.name: s for s in REFERENCE_SHAPES + SMALL_SHAPES}
 OPS = {
     "palimpsa": (kernels.palimpsa_attention, ("q", "k", "v", "beta", "log_alpha", "prior")),
     "gla": (kernels.gla_attention, ("q", "k", "v", "log_alpha")),
+    "gated_delta": (kernels.gated_delta_attention, ("q", "k", "v", "write_strength", "log_alpha")),
 }
-REGISTRIES = {"palimpsa": kernels.PALIMPSA_BACKENDS, "gla": kernels.GLA_BACKENDS}
+REGISTRIES = {"palimpsa": kernels.PALIMPSA_BACKENDS, "gla": kernels.GLA_BACKENDS,
+              "gated_delta": kernels.GATED_DELTA_BACKENDS}
+BASELINES = ("gla", "gated_delta")     # timed at each backend's own chunk size
 
 
 def default_chunk_size(op: str, backend: str) -> int | None:
@@ -114,8 +118,9 @@ class Variant:
         return OPS[self.op][1]
 
     def __call__(self, xs: dict):
-        fn = OPS[self.op][0]
-        return fn(**xs, backend=self.backend, chunk_size=self.chunk_size)
+        fn, names = OPS[self.op]
+        return fn(*(xs[name] for name in names), backend=self.backend,
+                  chunk_size=self.chunk_size)
 
 
 def unavailable_reason(op: str, backend: str) -> str | None:
@@ -148,7 +153,8 @@ def make_inputs(key, shape: Shape, dtype):
 
     q, k: unit L2 norm per head; v: standard normal; beta = softplus(normal) > 0;
     log_alpha = -A dt with A log-uniform in [1, 16] per head and dt log-uniform in [1e-3, 0.1]
-    per token (Mamba2's ranges); prior = 1. q, k, v, beta in `dtype`; log_alpha, prior, w fp32.
+    per token (Mamba2's ranges); prior = 1; write_strength = sigmoid(normal) (B, T, H), Gated
+    DeltaNet's beta. q, k, v, beta in `dtype`; log_alpha, prior, write_strength, w fp32.
     """
     B, T, H, Dk, Dv = shape.batch, shape.length, shape.heads, shape.dk, shape.dv
     kq, kk, kv, kbeta, kA, kdt, kw = jax.random.split(key, 7)
@@ -164,6 +170,7 @@ def make_inputs(key, shape: Shape, dtype):
         "beta": jax.nn.softplus(jax.random.normal(kbeta, (B, T, H, Dv))).astype(dtype),
         "log_alpha": -A * dt,
         "prior": jnp.ones((H,), jnp.float32),
+        "write_strength": jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 7), (B, T, H))),
     }
     return xs, jax.random.normal(kw, (B, T, H, Dv))
 
@@ -315,7 +322,7 @@ def timing_table(results: list[Result], has_allocator: bool) -> str:
 
 def check_table(rows: list[tuple]) -> str:
     """Markdown table of relative errors, one row per (shape, variant)."""
-    names = ["o", "dq", "dk", "dv", "dbeta", "dlog_alpha", "dprior"]
+    names = ["o", "dq", "dk", "dv", "dbeta", "dlog_alpha", "dprior", "dwrite_strength"]
     head = ["shape (B, T, H, Dk, Dv)", "kernel vs reference", *names, "max", "pass"]
     table = []
     for shape, variant, errors in rows:
@@ -332,7 +339,7 @@ def header(args, unavailable: dict) -> str:
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
         f"- device: {device.device_kind} ({device.platform}, {jax.device_count()} device(s))",
         f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {platform.python_version()}",
-        (f"- inputs: q, k, v, beta {args.dtype}; log_alpha, prior float32; "
+        (f"- inputs: q, k, v, beta {args.dtype}; log_alpha, prior, write_strength float32; "
          f"{args.input_sets} input sets in rotation"),
         (f"- timing: median of up to {args.repeats} calls after one warm-up call per input set, "
          f"capped at {args.budget_s:g} s of calls per pass (at least 3); host clock around "
@@ -350,7 +357,8 @@ def parse_args(argv=None):
                        help="shapes to run (the reference shapes by default)")
     which.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     parser.add_argument("--ops", nargs="+", choices=sorted(OPS), default=sorted(OPS),
-                        help="kernels to time and check: palimpsa_attention, gla_attention")
+                        help="kernels to time and check: palimpsa_attention, gla_attention, "
+                             "gated_delta_attention")
     parser.add_argument("--backends", nargs="+", choices=sorted(kernels.PALIMPSA_BACKENDS),
                         help="palimpsa backends to time and check (default: all that run here)")
     parser.add_argument("--chunk-sizes", nargs="+", type=int,
@@ -379,10 +387,13 @@ def main(argv=None) -> int:
     unavailable = {case: why for case, why in unavailable.items() if why}
     runs = lambda op: [b for b in REGISTRIES[op] if (op, b) not in unavailable]
     backends = args.backends or runs("palimpsa")
-    # GLA, the non-metaplastic speed of light: every backend but the reference, at its own chunk
-    gla = variants("gla", [b for b in runs("gla") if b != "reference"], None) if "gla" in args.ops else []
+    # GLA (the non-metaplastic speed of light) and Gated DeltaNet: every backend but the
+    # reference, at its own chunk size
+    baselines = {op: variants(op, [b for b in runs(op) if b != "reference"], None)
+                 for op in BASELINES if op in args.ops}
     palimpsa = "palimpsa" in args.ops
-    timed = (variants("palimpsa", backends, args.chunk_sizes) if palimpsa else []) + gla
+    timed = ((variants("palimpsa", backends, args.chunk_sizes) if palimpsa else [])
+             + [variant for chunked in baselines.values() for variant in chunked])
     checked = (variants("palimpsa", [b for b in backends if b != "reference"], args.chunk_sizes)
                if palimpsa else [])
     key = jax.random.key(args.seed)
@@ -399,8 +410,8 @@ def main(argv=None) -> int:
         if not args.skip_check:
             if checked:
                 check_rows += check(shape, checked, Variant("palimpsa", "reference"), key)
-            if gla:
-                check_rows += check(shape, gla, Variant("gla", "reference"), key)
+            for op, chunked in baselines.items():
+                check_rows += check(shape, chunked, Variant(op, "reference"), key)
         input_sets = [make_inputs(k, shape, dtype)
                       for k in jax.random.split(jax.random.fold_in(key, 1), args.input_sets)]
         results += [benchmark(shape, variant, input_sets, args) for variant in timed]

@@ -166,3 +166,23 @@ def test_gla_sweep_smoke_run_in_interpret_mode(op):
     for row in rows:
         fwd_ms, fwd_bwd_ms, error = float(row[3]), float(row[4]), float(row[5].rstrip(" |"))
         assert fwd_ms > 0 and fwd_bwd_ms > 0 and error < 1e-5, row
+
+
+@pytest.mark.smoke
+def test_kernel_speed_checks_and_times_the_gated_delta_rule():
+    """`benchmarks.kernel_speed --small --ops gated_delta` on the CPU: every backend that runs
+    here is checked in float32 against the sequential reference (o and all five gradients, the
+    scalar beta among them, within the script's tolerance) and timed; pallas_gpu is named as
+    unavailable."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_speed", "--small", "--ops", "gated_delta",
+         "--budget-s", "0.2", "--repeats", "3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    checks = [line for line in result.stdout.splitlines()
+              if line.startswith("| tiny") and line.endswith("| yes |")]
+    assert len(checks) == 3 and all("gated_delta xla" in line for line in checks)
+    errors = [float(x) for x in checks[0].split(" | ")[2:-2] if x != "—"]
+    assert len(errors) == 6 and max(errors) < 1e-5   # o, dq, dk, dv, dlog_alpha, dwrite_strength
+    assert "gated_delta backend pallas_gpu does not run here" in result.stdout
