@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import kernel_speed as bench
-from palimpsa_jax import kernels
 from palimpsa_jax.kernels import chunking
 from palimpsa_jax.kernels.gated_deltanet.pallas_gpu import gated_delta_pallas_gpu
 from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
@@ -31,18 +30,7 @@ SHAPES = {**bench.SHAPES, "mamba2": bench.Shape("mamba2", 8, 2048, 24, 128, 64),
           "gated_deltanet": bench.Shape("gated_deltanet", 8, 2048, 6, 128, 256)}
 
 
-# op -> (its pallas_gpu backend, its entry point)
-OPS = {"gla": (gla_pallas_gpu, kernels.gla_attention),
-       "gated_delta": (gated_delta_pallas_gpu, kernels.gated_delta_attention)}
-
-
-def op_inputs(op: str, xs: dict) -> tuple:
-    """The op's arguments from `kernel_speed.make_inputs`: (q, k, v[, beta], log_alpha), the
-    gated delta rule's scalar beta in (0, 1) from the first feature of make_inputs' beta."""
-    if op == "gla":
-        return xs["q"], xs["k"], xs["v"], xs["log_alpha"]
-    beta = xs["beta"][..., 0].astype(jnp.float32)
-    return xs["q"], xs["k"], xs["v"], beta / (1 + beta), xs["log_alpha"]
+PALLAS_GPU = {"gla": gla_pallas_gpu, "gated_delta": gated_delta_pallas_gpu}
 
 
 def attention(op: str, *inputs, chunk_size: int, num_warps: int, block: int, num_stages: int,
@@ -51,15 +39,15 @@ def attention(op: str, *inputs, chunk_size: int, num_warps: int, block: int, num
     q, v = inputs[0], inputs[2]
     reset, log_alpha = chunking.resets(None, inputs[-1])
     S0 = jnp.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), jnp.float32)
-    o, _ = OPS[op][0](*inputs[:-1], log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
-                      chunk_size=chunk_size, block=block, num_warps=num_warps,
-                      num_stages=num_stages, interpret=interpret)
+    o, _ = PALLAS_GPU[op](*inputs[:-1], log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
+                          chunk_size=chunk_size, block=block, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
     return o
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=sorted(OPS), default="gla")
+    parser.add_argument("--op", choices=sorted(PALLAS_GPU), default="gla")
     parser.add_argument("--shapes", nargs="+", default=["lm_170m", "mamba2", "long_seq"],
                         choices=sorted(SHAPES))
     parser.add_argument("--configs", nargs="+", default=["64,4,64,2", "64,8,64,2", "64,4,32,2"],
@@ -76,8 +64,9 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         xs, w = bench.make_inputs(jax.random.key(0), SHAPES[name], jnp.dtype(args.dtype))
-        inputs = op_inputs(args.op, xs)
-        expected = jax.jit(lambda *a: OPS[args.op][1](*a, backend="xla"))(*inputs)
+        entry, names = bench.OPS[args.op]
+        inputs = tuple(xs[name] for name in names)
+        expected = jax.jit(lambda *a, entry=entry: entry(*a, backend="xla"))(*inputs)
         for config in configs:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}", flush=True)

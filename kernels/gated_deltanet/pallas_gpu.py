@@ -278,22 +278,13 @@ def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, seg_ref, T_ref, du_ref, 
     dg_ref[...] = dg
 
 
-def _specs(chunk_size: int):
-    """BlockSpec makers for grids (B, H, N[, tile]): a chunk's token rows of a (B, T, H, D)
-    array, `columns` wide (tiled along the grid's last axis if `tiled`), and its gates of a
-    (B, H, T) array."""
-    tokens = lambda columns, tiled=False: pl.BlockSpec(
-        (None, chunk_size, None, columns), lambda b, h, n, *i: (b, n, h, i[0] if tiled else 0))
-    return tokens, pl.BlockSpec((None, None, chunk_size), lambda b, h, n, *i: (b, h, n))
-
-
 def _prepare(k, v, beta, g, seg, config, *, with_T: bool):
     """W (B, T, H, Dk), U~ (B, T, H, Dv) in the compute dtype and, if with_T, T (B, H, N, C, C)
     float32 (else None)."""
     batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = gla.sizes(k, v, config.block)
     chunk_size, dtype = config.chunk_size, chunking.compute_dtype(k)
     num_chunks = length // chunk_size
-    tokens, gates = _specs(chunk_size)
+    tokens, gates = gla.chunk_specs(chunk_size)
     out_specs = [tokens(dk_pad), tokens(dv_pad)]
     out_shape = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     if with_T:
@@ -343,7 +334,7 @@ def _scan(rows, keys, base, g, seg, init, config, *, reverse: bool, extra=()):
 def _local(q, k, do, g, seg, config):
     """dU_local (B, T, H, Dv) float32."""
     batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = gla.sizes(q, do, config.block)
-    tokens, gates = _specs(config.chunk_size)
+    tokens, gates = gla.chunk_specs(config.chunk_size)
     return pl.pallas_call(
         functools.partial(_local_kernel, scale=config.scale, dk=dk, dv=dv,
                           dtype=chunking.compute_dtype(q)),
@@ -363,7 +354,7 @@ def _gradients(q, k, v, beta, do, g, seg, T, U, dU, S_in, dS_out, config):
                                                                                 config.block)
     chunk_size, dtype = config.chunk_size, chunking.compute_dtype(q)
     num_chunks, k_tiles = length // chunk_size, dk_pad // block_k
-    tokens, gates = _specs(chunk_size)
+    tokens, gates = gla.chunk_specs(chunk_size)
     state = pl.BlockSpec((None, None, None, dv_pad, block_k), lambda b, h, n, j: (b, h, n, 0, j))
     partial_k = jax.ShapeDtypeStruct(q.shape, _F32)
     dq, dk_state, dW, dg_state = pl.pallas_call(

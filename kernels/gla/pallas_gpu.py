@@ -213,14 +213,21 @@ def _scan(keys, values, g, seg, init, config, *, reverse: bool):
     )(keys, values, g, seg, init)
 
 
+def chunk_specs(chunk_size: int):
+    """BlockSpec makers for grids (B, H, N[, tile]): a chunk's token rows of a (B, T, H, D)
+    array, `columns` wide (tiled along the grid's last axis if `tiled`), and its gates of a
+    (B, H, T) array."""
+    tokens = lambda columns, tiled=False: pl.BlockSpec(
+        (None, chunk_size, None, columns), lambda b, h, n, *i: (b, n, h, i[0] if tiled else 0))
+    return tokens, pl.BlockSpec((None, None, chunk_size), lambda b, h, n, *i: (b, h, n))
+
+
 def output(q, k, v, g, seg, S_in, config):
     """o (B, T, H, Dv) in v's dtype."""
     chunk_size, scale, block = config.chunk_size, config.scale, config.block
     batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = sizes(q, v, block)
-    tokens = lambda width: pl.BlockSpec((None, chunk_size, None, width),
-                                        lambda b, h, n, i: (b, n, h, 0))
-    values = pl.BlockSpec((None, chunk_size, None, block_v), lambda b, h, n, i: (b, n, h, i))
-    gates = pl.BlockSpec((None, None, chunk_size), lambda b, h, n, i: (b, h, n))
+    tokens, gates = chunk_specs(chunk_size)
+    values = tokens(block_v, tiled=True)
     return pl.pallas_call(
         functools.partial(_output_kernel, scale=scale, dk=dk, dv=dv,
                           dtype=chunking.compute_dtype(q)),
@@ -238,9 +245,7 @@ def _gradients(q, k, v, do, g, seg, S_in, dS_out, config):
     """dq, dk (B, T, H, Dk), dv (B, T, H, Dv) in the inputs' dtypes and dL/dg (B, H, T) float32."""
     chunk_size, scale = config.chunk_size, config.scale
     batch, length, heads, dk, dv, dk_pad, dv_pad, _, _ = sizes(q, v, config.block)
-    tokens = lambda width: pl.BlockSpec((None, chunk_size, None, width),
-                                        lambda b, h, n: (b, n, h, 0))
-    gates = pl.BlockSpec((None, None, chunk_size), lambda b, h, n: (b, h, n))
+    tokens, gates = chunk_specs(chunk_size)
     state = pl.BlockSpec((None, None, None, dv_pad, dk_pad), lambda b, h, n: (b, h, n, 0, 0))
     return pl.pallas_call(
         functools.partial(_gradients_kernel, scale=scale, dk=dk, dv=dv,
