@@ -15,15 +15,22 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from palimpsa_jax.data import make_dataset
+from palimpsa_jax.data.mqar import IGNORE, MQARSource
 from palimpsa_jax.experiments.mqar import common
+from palimpsa_jax.models import CausalLM
 from palimpsa_jax.training import ConfigError, Trainer, check_config, train_and_evaluate
 from palimpsa_jax.training.checkpoint import CheckpointError
 from palimpsa_jax.training.optim import param_groups
+from palimpsa_jax.training.trainer import scored_metrics, scored_positions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXPERIMENT = ROOT / "experiments" / "mqar" / "palimpsa_d.py"
@@ -362,3 +369,41 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
     for name in ("grow", "shrink"):
         np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "whole"), rtol=1e-4,
                                    err_msg=name)
+
+
+@given(st.integers(1, 4), st.integers(1, 24), st.data())
+def test_scored_positions_are_the_scored_tokens_in_order(rows, length, data):
+    """Rows with exactly `count` scored labels give their positions; a row with fewer gives all
+    of them, padded with unscored positions."""
+    count = data.draw(st.integers(1, length))
+    labels = np.full((rows, length), IGNORE, np.int32)
+    for row in labels:
+        scored = data.draw(st.integers(0, count))
+        row[np.sort(np.random.default_rng(scored).permutation(length)[:scored])] = 7
+    positions = np.asarray(scored_positions(jnp.asarray(labels), count))
+    assert positions.shape == (rows, count)
+    for row, pos in zip(labels, positions):
+        scored = np.flatnonzero(row != IGNORE)
+        np.testing.assert_array_equal(pos[:len(scored)], scored)
+        assert np.all(row[pos[len(scored):]] == IGNORE)
+
+
+def test_scored_logits_give_the_full_loss_and_gradients():
+    """An MQAR batch: the loss, accuracy and parameter gradients from the logits of the scored
+    positions alone equal those from every position's logits."""
+    config = tiny_config()
+    model_config = check_config(config, {"data": 1, "fsdp": 1, "tensor": 1})
+    graphdef, params, rest = nnx.split(CausalLM(model_config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    source = MQARSource("train", 8, 64, 32, 4, seed=0)
+    batch = {name: jnp.stack([source[i][name] for i in range(8)]) for name in ("tokens", "labels")}
+
+    def loss(params, count):
+        total, correct, scored = scored_metrics(nnx.merge(graphdef, params, rest), batch, count)
+        return total, (correct, scored)
+
+    (full, (correct, scored)), full_grads = jax.value_and_grad(loss, has_aux=True)(params, None)
+    (part, aux), part_grads = jax.value_and_grad(loss, has_aux=True)(params, 4)
+    assert int(scored) == 32 and (int(correct), int(scored)) == tuple(map(int, aux))
+    np.testing.assert_allclose(part, full, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(part_grads), jax.tree.leaves(full_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))

@@ -98,7 +98,9 @@ class CausalLM(nnx.Module):
 
     `logits, cache = model(tokens, segment_ids=None, cache=None)`: without a cache a
     full-sequence forward (cache None returned); with `model.init_cache(batch, max_length)` it
-    continues from the cache (prefill, then one token at a time).
+    continues from the cache (prefill, then one token at a time). With `positions` (B, K) int,
+    the logits (B, K, vocab) of those positions alone: the final norm and the head skip the
+    others (an MQAR loss scores a quarter of the tokens).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -124,13 +126,16 @@ class CausalLM(nnx.Module):
         dtype = self.config.compute_dtype if dtype is None else dtype
         return tuple(block.mixer.init_cache(batch, max_length, dtype) for block in self.blocks)
 
-    def __call__(self, tokens: Array, *, segment_ids: Array | None = None, cache: tuple | None = None):
+    def __call__(self, tokens: Array, *, segment_ids: Array | None = None, cache: tuple | None = None,
+                 positions: Array | None = None):
         x = embedding_lookup(self.embed.embedding[...], tokens).astype(self.config.compute_dtype)
         caches = (None,) * len(self.blocks) if cache is None else cache
         new_caches = []
         for block, layer_cache in zip(self.blocks, caches):
             x, layer_cache = block(x, segment_ids=segment_ids, cache=layer_cache)
             new_caches.append(layer_cache)
+        if positions is not None:
+            x = jnp.take_along_axis(x, positions[..., None], axis=1)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return logits.astype(jnp.float32), None if cache is None else tuple(new_caches)

@@ -36,11 +36,11 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from palimpsa_jax.data.mqar import MQARSource
+from palimpsa_jax.data.mqar import IGNORE, MQARSource
 from palimpsa_jax.models import CausalLM, weight_decay_mask
 from palimpsa_jax.training import checkpoint, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
-from palimpsa_jax.training.trainer import flop_rate, token_metrics
+from palimpsa_jax.training.trainer import flop_rate, scored_metrics, token_metrics
 
 # Keys in which the replicas of one group may differ.
 REPLICA_KEYS = ("seed", "optim.lr")
@@ -143,6 +143,9 @@ class ReplicaGroup:
         self.lrs = jnp.asarray([p.optim.lr for p in self.points], jnp.float32)
 
         tokens, labels = materialise(c.data, "train", c.data.seq_len, c.data.num_pairs, cache_dir)
+        if not np.all(np.sum(labels != IGNORE, axis=1) == c.data.num_pairs):
+            raise ValueError(f"every training example must score data.num_pairs = "
+                             f"{c.data.num_pairs} tokens (the loss keeps that many a row)")
         self.train_data = (jnp.asarray(tokens), jnp.asarray(labels))
         self.batches_per_pass = len(tokens) // c.batch_size
         if self.batches_per_pass == 0:
@@ -189,8 +192,7 @@ class ReplicaGroup:
 
     def _loss(self, params, constants, batch):
         model = nnx.merge(self.graphdef, params, constants)
-        logits, _ = model(batch["tokens"])
-        total, correct, count = token_metrics(logits, batch["labels"])
+        total, correct, count = scored_metrics(model, batch, self.config.data.num_pairs)
         count = jnp.maximum(count, 1).astype(jnp.float32)
         return total / count, correct / count
 

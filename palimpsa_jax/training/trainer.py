@@ -67,6 +67,24 @@ def token_metrics(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
             jnp.sum(scored, dtype=jnp.int32))
 
 
+def scored_positions(labels: Array, count: int) -> Array:
+    """The positions of the first `count` scored labels (!= -100) of each row, ascending:
+    labels (B, T) -> (B, count) int32. An MQAR batch scores exactly num_pairs tokens a row;
+    in a row with fewer, the remaining positions are unscored ones (their labels stay -100)."""
+    return jnp.argsort(labels == IGNORE, axis=-1, stable=True)[:, :count].astype(jnp.int32)
+
+
+def scored_metrics(model, batch: dict, count: int | None) -> tuple[Array, Array, Array]:
+    """token_metrics of `model` on `batch` (tokens, labels, optional segment_ids); with `count`
+    (MQAR: num_pairs) the logits of the scored positions alone (`scored_positions`)."""
+    tokens, labels = batch["tokens"], batch["labels"]
+    positions = None if count is None else scored_positions(labels, count)
+    logits, _ = model(tokens, segment_ids=batch.get("segment_ids"), positions=positions)
+    if positions is not None:
+        labels = jnp.take_along_axis(labels, positions, axis=1)
+    return token_metrics(logits, labels)
+
+
 @dataclasses.dataclass(frozen=True)
 class FlopRate:
     """What MFU is computed from: the model FLOPs of one training token
@@ -211,18 +229,19 @@ class Trainer:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def _forward(self, params, constants, batch):
-        model = nnx.merge(self.graphdef, params, constants)
-        logits, _ = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
-        return token_metrics(logits, batch["labels"])
+    def _forward(self, params, constants, batch, count=None):
+        return scored_metrics(nnx.merge(self.graphdef, params, constants), batch, count)
 
     def _train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         """One optimiser step over grad_accum micro-batches of the global batch."""
         accum = self.config.train.grad_accum
         micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
+        # MQAR scores num_pairs tokens a row: the head computes their logits alone
+        scored = self.config.data.num_pairs if self.config.data.kind == "mqar" else None
+
         def loss_sum(params, mb):
-            total, correct, count = self._forward(params, state["constants"], mb)
+            total, correct, count = self._forward(params, state["constants"], mb, scored)
             return total, (correct, count)
 
         def accumulate(carry, mb):
