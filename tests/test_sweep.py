@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks import mqar_curves
 from palimpsa_jax.analysis import load_run
 from palimpsa_jax.analysis.run import run_config
 from palimpsa_jax.commands.evaluate import evaluate
@@ -197,6 +198,10 @@ def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
     spread = [accuracies[f"lr={lr},seed={s}"] for s in (0, 1)]
     assert (f"| palimpsa_d | seq16_pairs2 | {float(lr):.4g} | {means[lr]:.4f} | "
             f"{min(spread):.4f}-{max(spread):.4f} | 2 |") in best
+    # the paper's figure over workdirs (benchmarks/mqar_curves.py) reads the same results
+    assert mqar_curves.figure([tmp_path], tmp_path / "figure.png") == (
+        "\n## Best learning rate" + best.replace("accuracy.png", "figure.png"))
+    assert (tmp_path / "figure.png").stat().st_size > 0
     assert grid.run_grid(points, tmp_path) == rows           # everything finished: skipped
     with pytest.raises(ConfigError, match=r"data\.seed"):
         grid.run_grid(grid.apply_overrides(points, {"data.seed": 1}), tmp_path)
