@@ -57,20 +57,22 @@ def figure(workdirs, path: pathlib.Path) -> str:
     return mqar_report.report(rows, slices, pathlib.Path(path))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdirs", nargs="+")
     parser.add_argument("--out", required=True)
     parser.add_argument("--figure", help="also write the paper's figure here (PNG)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     found = curves(args.workdirs)
+    mixers = sorted({mixer for by_mixer in found.values() for mixer in by_mixer})
+    colour = {mixer: f"C{i}" for i, mixer in enumerate(mixers)}     # the same in every panel
     fig, axes = plt.subplots(1, len(found), figsize=(5 * len(found), 3.6), squeeze=False)
     for ax, (lr, by_mixer) in zip(axes[0], sorted(found.items())):
         for mixer, points in sorted(by_mixer.items()):
-            ax.plot(*zip(*points), marker=".", label=mixer)
+            ax.plot(*zip(*points), marker=".", label=mixer, color=colour[mixer])
         ax.set(title=f"lr {lr:.3g}", xlabel="training step", ylabel="test accuracy", ylim=(0, 1))
         ax.grid(alpha=0.3)
-    axes[0][0].legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

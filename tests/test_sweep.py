@@ -202,6 +202,8 @@ def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
     assert mqar_curves.figure([tmp_path], tmp_path / "figure.png") == (
         "\n## Best learning rate" + best.replace("accuracy.png", "figure.png"))
     assert (tmp_path / "figure.png").stat().st_size > 0
+    mqar_curves.main([str(tmp_path), "--out", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").stat().st_size > 0
     assert grid.run_grid(points, tmp_path) == rows           # everything finished: skipped
     with pytest.raises(ConfigError, match=r"data\.seed"):
         grid.run_grid(grid.apply_overrides(points, {"data.seed": 1}), tmp_path)
