@@ -12,11 +12,14 @@ it left out).
 Models. Each preset runs through `palimpsa_jax.training.Trainer` with the config of the LM
 experiment (experiments/lm: AdamW, global-norm clipping, bf16 compute over float32 master
 weights) on one batch of random token ids, placed on the device once. The step is compiled once,
-then timed: median of --repeats steps, each waited for (host clock around `block_until_ready`).
-tokens/s = batch x seq_len / step; MFU = tokens/s x training FLOPs per token / the device's peak
-(`palimpsa_jax.models.flops`; no MFU column where the peak is unknown, e.g. on a CPU). Peak memory
-is the allocator's running maximum (`memory_stats()['peak_bytes_in_use']`): JAX cannot reset it,
-so a model that did not raise it is marked '≤'.
+then timed two ways: median of --repeats steps, each waited for (host clock around
+`block_until_ready`), and "pipelined": --repeats steps dispatched back to back and waited for once
+(median of 3 such runs), as the training loop runs them, where a step's dispatch overlaps the step
+before. tokens/s = batch x seq_len / pipelined step (what the trainer logs); MFU = tokens/s x
+training FLOPs per token / the device's peak (`palimpsa_jax.models.flops`; no MFU column where the
+peak is unknown, e.g. on a CPU). Peak memory is the allocator's running maximum
+(`memory_stats()['peak_bytes_in_use']`): JAX cannot reset it, so a model that did not raise it is
+marked '≤'.
 
 Profile (--profile-dir DIR). Three more steps per model under `jax.profiler.trace`; the device
 events of the Perfetto trace (the GPU stream lines; on a host-only trace the events that name an
@@ -164,6 +167,7 @@ def run_model(model: str, args) -> dict:
             return holder["state"], metrics
 
         row["ms_per_step"] = median_ms(step, args.repeats)
+        row["ms_per_step_pipelined"] = pipelined_ms(step, args.repeats)
         row["loss"] = float(step()[1]["loss"])
         if args.profile_dir:
             trace_dir = args.profile_dir / row["model"]
@@ -173,11 +177,26 @@ def run_model(model: str, args) -> dict:
                     jax.block_until_ready(step())
                 wall_ms = 1e3 * (time.perf_counter() - start) / PROFILED_STEPS
             row["profile"] = breakdown(trace_dir, Hlo(compiled.as_text()), wall_ms)
-    row["tokens_per_s"] = args.batch * args.seq_len / (row["ms_per_step"] / 1e3)
+    row["tokens_per_s"] = args.batch * args.seq_len / (row["ms_per_step_pipelined"] / 1e3)
     row["mfu"] = mfu(trainer.model_config, args.seq_len, row["tokens_per_s"])
     row["peak_bytes"] = allocator_peak_bytes()
     row["peak_rose"] = before is None or row["peak_bytes"] > before
     return row
+
+
+def pipelined_ms(step, steps: int, rounds: int = 3) -> float:
+    """ms per step of `steps` steps dispatched back to back and waited for once, as the training
+    loop runs them (the host queues a step while the device runs the one before); median of
+    `rounds` such runs."""
+    jax.block_until_ready(step())
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps - 1):
+            step()
+        jax.block_until_ready(step())
+        times.append((time.perf_counter() - start) / steps)
+    return 1e3 * statistics.median(times)
 
 
 def mfu(model_config, seq_len: int, tokens_per_s: float) -> float | None:
@@ -675,8 +694,8 @@ def setup_lines(args, fla_reason: str | None) -> list[str]:
 
 def models_table(rows: list[dict]) -> str:
     has_mfu = any(r.get("mfu") is not None for r in rows)
-    head = ["model", "params (M)", "ms / step", "tokens / s", *["MFU"] * has_mfu, "peak GiB",
-            "compile s", "loss"]
+    head = ["model", "params (M)", "ms / step (each waited)", "ms / step (pipelined)", "tokens / s",
+            *["MFU"] * has_mfu, "peak GiB", "compile s", "loss"]
     table = []
     for r in rows:
         peak = r.get("peak_bytes")
@@ -684,6 +703,7 @@ def models_table(rows: list[dict]) -> str:
         mfu_cell = [fmt(r.get("mfu") and 100 * r["mfu"], ".1f") + "%" * (r.get("mfu") is not None)]
         table.append([r["model"], fmt(r.get("params") and r["params"] / 1e6, ".1f"),
                       r.get("error") or fmt(r.get("ms_per_step"), ".1f"),
+                      fmt(r.get("ms_per_step_pipelined"), ".1f"),
                       fmt(r.get("tokens_per_s"), ",.0f"), *mfu_cell * has_mfu, peak,
                       fmt(r.get("compile_s"), ".0f"), fmt(r.get("loss"), ".3f")])
     return markdown_table(head, table)

@@ -188,8 +188,8 @@ def gated_delta_attention(q, k, v, beta, log_alpha, *, scale=None, initial_state
       integers; the state resets to 0 at every change of id.
       backend: "reference" (sequential scan), "xla" (chunked WY form), "pallas_gpu" (the WY
       form as Pallas Triton kernels) or "auto" (pallas_gpu on GPUs, else xla).
-      chunk_size: tokens per chunk for the chunked backends (default 64). Other arguments as
-      `palimpsa_attention`.
+      chunk_size: tokens per chunk for the chunked backends (default 64 for xla, 32 for
+      pallas_gpu). Other arguments as `palimpsa_attention`.
     Returns:
       o (B, T, H, Dv) in v's dtype, or with return_final_state an `AttentionOutput` whose
       final_state is S_T (B, H, Dv, Dk) float32 (variance None).

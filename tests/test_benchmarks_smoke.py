@@ -32,6 +32,7 @@ def test_smoke_small_run_reports_every_model(tmp_path):
     for r in results["models"]:
         assert sum(row.startswith(f"| {r['model']} |") for row in rows) == 2   # timing, breakdown
         assert math.isfinite(r["ms_per_step"]) and r["ms_per_step"] > 0
+        assert math.isfinite(r["ms_per_step_pipelined"]) and r["ms_per_step_pipelined"] > 0
         assert math.isfinite(r["loss"])
         profile = r["profile"]
         assert profile["top_ops"] and sum(profile["classes_ms"].values()) > 0

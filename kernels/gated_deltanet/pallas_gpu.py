@@ -51,7 +51,8 @@ from jax.experimental.pallas import triton as plgpu
 from palimpsa_jax.kernels import chunking
 from palimpsa_jax.kernels.gla import pallas_gpu as gla
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 32   # H200, bf16 (benchmarks/RESULTS.md, 2026-12-03): fwd+bwd 2.9-3.0 ms against
+                          # 3.8 at C = 64 at Gated DeltaNet's layer shape, equal at the LM shape
 DEFAULT_BLOCK = 64          # value columns per program of the scans and the local cotangents
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
