@@ -2,13 +2,15 @@
 or, with --op gated_delta, the gated delta rule's (`kernels/gated_deltanet/pallas_gpu.py`).
 
 Times forward and forward+backward (the loss <o, w> and its gradient) of the op's pallas_gpu
-backend for each configuration C,num_warps,block,num_stages (chunk size, warps of every kernel,
-the state / value tile width, the sequential kernels' load pipelining depth), beside the relative
+backend for each configuration C,num_warps,block,num_stages[,backward_num_warps] (chunk size, warps of
+the forward's kernels (and of the backward's, unless given), the state / value tile width, the
+sequential kernels' load pipelining depth), beside the relative
 error of its output against the xla backend in the same dtype. Prints one line per case and a
 Markdown table last.
 
     python -m benchmarks.gla_sweep --shapes mamba2 long_seq --configs 64,4,64,2 64,8,64,2
     python -m benchmarks.gla_sweep --op gated_delta --shapes lm_170m gated_deltanet
+    python -m benchmarks.gla_sweep --op gated_delta --configs 32,4,64,2 32,2,64,2,4
     python -m benchmarks.gla_sweep --shapes tiny --configs 16,4,16,1 --interpret   # CPU smoke run
 """
 from __future__ import annotations
@@ -34,14 +36,15 @@ PALLAS_GPU = {"gla": gla_pallas_gpu, "gated_delta": gated_delta_pallas_gpu}
 
 
 def attention(op: str, *inputs, chunk_size: int, num_warps: int, block: int, num_stages: int,
-              interpret: bool = False):
+              backward_num_warps: int | None = None, interpret: bool = False):
     """The op through its pallas_gpu backend with explicit tuning options."""
     q, v = inputs[0], inputs[2]
     reset, log_alpha = chunking.resets(None, inputs[-1])
     S0 = jnp.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), jnp.float32)
     o, _ = PALLAS_GPU[op](*inputs[:-1], log_alpha, S0, reset, scale=q.shape[-1]**-0.5,
                           chunk_size=chunk_size, block=block, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
+                          num_stages=num_stages, backward_num_warps=backward_num_warps,
+                          interpret=interpret)
     return o
 
 
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["lm_170m", "mamba2", "long_seq"],
                         choices=sorted(SHAPES))
     parser.add_argument("--configs", nargs="+", default=["64,4,64,2", "64,8,64,2", "64,4,32,2"],
-                        help="C,num_warps,block,num_stages")
+                        help="C,num_warps,block,num_stages[,backward_num_warps]")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--time-limit-s", type=float, default=300)
     parser.add_argument("--interpret", action="store_true",
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}", flush=True)
                 continue
-            options = dict(zip(("chunk_size", "num_warps", "block", "num_stages"), config))
+            options = dict(zip(("chunk_size", "num_warps", "block", "num_stages",
+                                "backward_num_warps"), config))
             forward = jax.jit(lambda *a, options=options: attention(
                 args.op, *a, **options, interpret=args.interpret))
             backward = jax.jit(jax.value_and_grad(   # the loss too: XLA keeps the forward
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
             rows.append([name, SHAPES[name].dims, ",".join(map(str, config)),
                          f"{medians[0]:.3f}", f"{medians[1]:.3f}", f"{error:.1e}"])
             print(" | ".join(rows[-1]), flush=True)
-    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "C, warps, block, stages", "fwd ms",
+    print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)", "C, warps, block, stages[, bwd warps]",
+                                "fwd ms",
                                 "fwd+bwd ms", "o rel. err. vs xla"], rows))
     return 0
 

@@ -84,3 +84,26 @@ def assert_gradients_match(ours, reference, args, names, seed: int = 0):
     assert relative_error(value, value_ref) < 1e-5
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert relative_error(g, g_ref) < 2e-5, name
+
+
+def pallas_warps(fn, *args) -> list[tuple[str, int]]:
+    """(kernel name, num_warps) of every pallas_call in the jaxpr of jax.value_and_grad(fn) over
+    all its arguments, in program order (the forward's kernels first)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                params = eqn.params["compiler_params"]
+                params = params if hasattr(params, "num_warps") else params["triton"]
+                name = eqn.params.get("name") or eqn.params["name_and_src_info"]
+                found.append((str(name).split()[0], params.num_warps))
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    grad = jax.value_and_grad(lambda *a: fn(*a).sum(), argnums=tuple(range(len(args))))
+    walk(jax.make_jaxpr(grad)(*args).jaxpr)
+    return found

@@ -158,7 +158,7 @@ def test_gla_sweep_smoke_run_in_interpret_mode(op):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gla_sweep", "--op", op, "--shapes", "tiny",
-         "tiny_ragged", "--configs", "16,4,16,1", "32,4,16,2", "--interpret", "--dtype",
+         "tiny_ragged", "--configs", "16,4,16,1", "32,4,16,2,2", "--interpret", "--dtype",
          "float32"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -170,7 +170,23 @@ def test_pallas_gpu_tiles_and_doublings(monkeypatch):
         (q, k, v, beta, log_alpha, S0), ["q", "k", "v", "beta", "log_alpha", "initial_state"])
 
 
-@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0)])
+def test_pallas_gpu_backward_kernels_take_backward_num_warps():
+    """The forward's kernels compile with num_warps, the backward's (its recomputation of
+    prepare and the states included) with backward_num_warps."""
+    q, k, v, beta, log_alpha, _ = random_inputs(0, 1, 32, 1, 4, 4)
+    reset = np.zeros(log_alpha.shape, bool)
+    o = lambda q, k, v, beta: gated_delta_pallas_gpu(
+        q, k, v, beta, log_alpha, np.zeros((1, 1, 4, 4), np.float32), reset, scale=0.5,
+        chunk_size=16, interpret=True, num_warps=2, backward_num_warps=8)[0]
+    forward = ["gated_delta_prepare", "gated_delta_states", "gla_output"]
+    backward = forward[:2] + ["gated_delta_local_cotangents", "gated_delta_state_cotangents",
+                              "gated_delta_state_gradients", "gated_delta_wy_gradients"]
+    assert backends.pallas_warps(o, q, k, v, beta) == (
+        [(name, 2) for name in forward] + [(name, 8) for name in backward])
+
+
+@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0),
+                                          ("num_warps", 3), ("backward_num_warps", 0)])
 def test_pallas_gpu_bad_options_raise_value_error_naming_them(option, value):
     q, k, v, beta, log_alpha, _ = random_inputs(0, 1, 8, 1, 4, 4)
     reset = np.zeros(log_alpha.shape, bool)

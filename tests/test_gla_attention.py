@@ -105,7 +105,21 @@ def test_pallas_gpu_state_tiles(monkeypatch):
         (q, k, v, log_alpha, S0), ["q", "k", "v", "log_alpha", "initial_state"])
 
 
-@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0)])
+def test_pallas_gpu_backward_kernels_take_backward_num_warps():
+    """The forward's kernels compile with num_warps, the backward's (its recomputation of the
+    states included) with backward_num_warps."""
+    q, k, v, _, log_alpha, _, _ = random_inputs(0, 1, 32, 1, 4, 4)
+    reset = np.zeros(log_alpha.shape, bool)
+    o = lambda q, k, v: gla_pallas_gpu(q, k, v, log_alpha, np.zeros((1, 1, 4, 4), np.float32),
+                                       reset, scale=0.5, chunk_size=16, interpret=True,
+                                       num_warps=2, backward_num_warps=8)[0]
+    assert backends.pallas_warps(o, q, k, v) == [
+        ("gla_states", 2), ("gla_output", 2),
+        ("gla_states", 8), ("gla_state_cotangents", 8), ("gla_gradients", 8)]
+
+
+@pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0),
+                                          ("num_warps", 3), ("backward_num_warps", 0)])
 def test_pallas_gpu_bad_options_raise_value_error_naming_them(option, value):
     q, k, v, _, log_alpha, _, _ = random_inputs(0, 1, 8, 1, 4, 4)
     reset = np.zeros(log_alpha.shape, bool)

@@ -405,6 +405,7 @@ def _gated_delta_fwd(q, k, v, beta, g, seg, S0, config):
 
 
 def _gated_delta_bwd(config, residuals, cotangents):
+    config = config.backward()
     q, k, v, beta, g, seg, S0 = residuals
     do, dS = cotangents
     do = do.astype(v.dtype)
@@ -423,19 +424,21 @@ _gated_delta.defvjp(_gated_delta_fwd, _gated_delta_bwd)
 def gated_delta_pallas_gpu(q, k, v, beta, log_alpha, S0, reset, *, scale: float,
                            chunk_size: int = DEFAULT_CHUNK_SIZE, interpret: bool = False,
                            block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_NUM_WARPS,
-                           num_stages: int = DEFAULT_NUM_STAGES):
+                           num_stages: int = DEFAULT_NUM_STAGES,
+                           backward_num_warps: int | None = None):
     """Pallas GPU backend; same arguments and returns as `gated_delta_reference`
     (`kernels.gated_deltanet.naive`), o in v's dtype.
 
     chunk_size: tokens per chunk, a power of two of at least 16 on a GPU (in interpret mode any
     positive size). block: value columns per program of the scans over chunks and of the local
     cotangents, and per step of the gradients kernel; num_stages: the scans' load pipelining
-    depth; num_warps: warps per program of every kernel. interpret=True runs the kernels in
-    Pallas interpret mode on any platform.
+    depth; num_warps: warps per program of the forward's kernels, backward_num_warps of the
+    backward's (which recomputes the forward's; None: num_warps). interpret=True runs the
+    kernels in Pallas interpret mode on any platform.
     """
-    gla.check_options(chunk_size, block, interpret)
+    config = gla.make_config(chunk_size, scale, block, num_warps, num_stages, interpret,
+                             backward_num_warps)
     length = q.shape[1]
     (q, k, v, beta), g, seg = gla.chunk_inputs((q, k, v, beta), log_alpha, reset, chunk_size)
-    config = gla.Config(chunk_size, scale, block, num_warps, num_stages, interpret)
     o, S = _gated_delta(q, k, v, jnp.moveaxis(beta, 1, 2), g, seg, S0, config)
     return o[:, :length], S

@@ -171,6 +171,11 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     interpret: bool
+    backward_num_warps: int
+
+    def backward(self) -> Config:
+        """The settings of the backward pass's kernels (its recomputations included)."""
+        return self._replace(num_warps=self.backward_num_warps)
 
 
 def compiler(config, name: str, sequential: bool = False) -> dict:
@@ -279,6 +284,7 @@ def _gla_fwd(q, k, v, g, seg, S0, config):
 
 
 def _gla_bwd(config, residuals, cotangents):
+    config = config.backward()
     q, k, v, g, seg, S0 = residuals
     do, dS = cotangents
     dv_pad, dk_pad = S0.shape[-2:]
@@ -295,28 +301,34 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 def gla_pallas_gpu(q, k, v, log_alpha, S0, reset, *, scale: float,
                    chunk_size: int = DEFAULT_CHUNK_SIZE, interpret: bool = False,
                    block: int = DEFAULT_BLOCK, num_warps: int = DEFAULT_NUM_WARPS,
-                   num_stages: int = DEFAULT_NUM_STAGES):
+                   num_stages: int = DEFAULT_NUM_STAGES, backward_num_warps: int | None = None):
     """Pallas GPU backend; same arguments and returns as `gla_reference` (`kernels.gla.naive`),
     o in v's dtype.
 
     chunk_size: tokens per chunk, a power of two of at least 16 on a GPU (Triton's matrix
     multiplies need 16 rows; in interpret mode any positive size). block: rows and columns of
     the state tiles of the scans over chunks (forward and reverse); num_stages: their load pipelining
-    depth; num_warps: warps per program of every kernel. interpret=True runs the kernels in
-    Pallas interpret mode on any platform.
+    depth; num_warps: warps per program of the forward's kernels, backward_num_warps of the
+    backward's (None: num_warps). interpret=True runs the kernels in Pallas interpret mode on
+    any platform.
     """
-    check_options(chunk_size, block, interpret)
+    config = make_config(chunk_size, scale, block, num_warps, num_stages, interpret,
+                         backward_num_warps)
     length = q.shape[1]
     (q, k, v), g, seg = chunk_inputs((q, k, v), log_alpha, reset, chunk_size)
-    config = Config(chunk_size, scale, block, num_warps, num_stages, interpret)
     o, S = _gla(q, k, v, g, seg, S0, config)
     return o[:, :length], S
 
 
-def check_options(chunk_size, block, interpret) -> None:
-    """The options of the Pallas GPU chunked backends (GLA, gated delta rule): ValueError naming
-    the bad one."""
+def make_config(chunk_size, scale, block, num_warps, num_stages, interpret,
+                backward_num_warps=None) -> Config:
+    """The `Config` of a call of the Pallas GPU chunked backends (GLA, gated delta rule), its
+    options checked: ValueError naming the bad one."""
     validation.check_platform("pallas_gpu", "gpu", interpret)
+    backward_num_warps = num_warps if backward_num_warps is None else backward_num_warps
+    for name, warps in (("num_warps", num_warps), ("backward_num_warps", backward_num_warps)):
+        if not (isinstance(warps, int) and 0 < warps <= 32 and not warps & (warps - 1)):
+            raise ValueError(f"{name} must be a power of two from 1 to 32, got {warps!r}")
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if not interpret and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
@@ -324,6 +336,7 @@ def check_options(chunk_size, block, interpret) -> None:
                          f"GPU, got {chunk_size}")
     if not (isinstance(block, int) and block >= 16 and not block & (block - 1)):
         raise ValueError(f"block must be a power of two of at least 16, got {block!r}")
+    return Config(chunk_size, scale, block, num_warps, num_stages, interpret, backward_num_warps)
 
 
 def chunk_inputs(tokens, log_alpha, reset, chunk_size: int):
