@@ -1,5 +1,6 @@
 """Smoke test: every notebooks/*.ipynb executes headless; any cell that raises (the notebooks'
-own asserts included) fails that notebook's test."""
+own asserts included) fails that notebook's test. The kernel sees PALIMPSA_NOTEBOOK_SMOKE=1: a
+notebook that trains may read it to run the same cells on a shorter budget."""
 from pathlib import Path
 
 import nbformat
@@ -12,7 +13,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
-def test_smoke_notebook_executes(path):
+def test_smoke_notebook_executes(path, monkeypatch):
+    monkeypatch.setenv("PALIMPSA_NOTEBOOK_SMOKE", "1")     # the kernel inherits the environment
     notebook = nbformat.read(path, as_version=4)
     # "python3" is ipykernel's native kernel: jupyter_client launches it with sys.executable,
     # so the notebook sees this interpreter (and the installed palimpsa_jax).

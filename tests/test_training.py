@@ -274,24 +274,61 @@ def test_metaplastic_learning_rate_scales_only_its_group():
             assert slow[path][1] == moved, path
 
 
-def test_eight_devices_match_one(tmp_path):
+# The runs of the mesh tests. The constant schedule gives every step the same learning rate
+# whatever train.steps, so a run of 4 steps is the first 4 steps of a run of 6.
+MESH_RUN = {"optim.schedule": "constant", "checkpoint.every_steps": 4, "eval.every_steps": 4,
+            "log.diagnostics_every_steps": 2}
+MESHES = {"data4_tensor2": {"mesh.data": 4, "mesh.tensor": 2},
+          "fsdp4_tensor2": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2},
+          "data2_fsdp2_tensor2": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+
+
+def run_on_mesh(workdir, name: str, steps: int) -> str:
+    """A MESH_RUN of `steps` steps on 8 simulated devices, mesh MESHES[name]; its output."""
+    mesh = MESHES[name]
+    out = finish(cli(workdir, devices=8, **MESH_RUN, **{"train.steps": steps}, **mesh))
+    sizes = {axis: mesh.get(f"mesh.{axis}", 1) for axis in ("data", "fsdp", "tensor")}
+    assert (f"{workdir.name}: 8 cpu device(s) in 1 process(es); mesh data {sizes['data']} x fsdp "
+            f"{sizes['fsdp']} x tensor {sizes['tensor']};") in out, out
+    assert "M parameters; 512 tokens per step (16 x 32)" in out
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    """The single-device reference of the mesh tests: 6 steps, checkpoints and evaluations at
+    steps 4 and 6, diagnostics every 2."""
+    workdir = tmp_path_factory.mktemp("one_device")
+    finish(cli(workdir, **MESH_RUN, **{"train.steps": 6}))
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def data4_tensor2_run(tmp_path_factory):
+    """4 steps on 8 devices, mesh data 4 x tensor 2 (its last checkpoint: step 4)."""
+    workdir = tmp_path_factory.mktemp("mesh") / "data4_tensor2"
+    run_on_mesh(workdir, "data4_tensor2", 4)
+    return workdir
+
+
+def eval_accuracy(workdir, step: int) -> float:
+    (accuracy,) = [r["eval/accuracy"] for r in records(workdir) if r["step"] == step and "eval/accuracy" in r]
+    return accuracy
+
+
+def test_eight_devices_match_one(tmp_path, one_device_run, data4_tensor2_run):
     """data x tensor, fsdp x tensor and data x fsdp x tensor meshes give the single-device loss
-    trajectory (float32 tolerance)."""
-    changes = {"train.steps": 4, "log.diagnostics_every_steps": 2, "eval.every_steps": 4}
-    meshes = {"data4_tensor2": {"mesh.data": 4, "mesh.tensor": 2},
-              "fsdp4_tensor2": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2},
-              "data2_fsdp2_tensor2": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
-    finish(cli(tmp_path / "one", **changes))
-    for name, mesh in meshes.items():
-        out = finish(cli(tmp_path / name, devices=8, **changes, **mesh))
-        sizes = {axis: mesh.get(f"mesh.{axis}", 1) for axis in ("data", "fsdp", "tensor")}
-        assert (f"{name}: 8 cpu device(s) in 1 process(es); mesh data {sizes['data']} x fsdp "
-                f"{sizes['fsdp']} x tensor {sizes['tensor']};") in out, out
-        assert "M parameters; 512 tokens per step (16 x 32)" in out
-        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "one"), rtol=1e-4,
+    trajectory (float32 tolerance) and evaluation."""
+    for name in MESHES:
+        workdir = data4_tensor2_run if name == "data4_tensor2" else tmp_path / name
+        if name != "data4_tensor2":
+            run_on_mesh(workdir, name, 4)
+        assert len(losses(workdir)) == 4
+        np.testing.assert_allclose(losses(workdir), losses(one_device_run)[:4], rtol=1e-4,
                                    err_msg=name)
-        accuracy = lambda w: json.loads((w / "metrics.json").read_text())["eval/accuracy"]
-        assert accuracy(tmp_path / name) == pytest.approx(accuracy(tmp_path / "one"), abs=1e-6)
+        final = json.loads((workdir / "metrics.json").read_text())
+        assert final["step"] == 4
+        assert final["eval/accuracy"] == pytest.approx(eval_accuracy(one_device_run, 4), abs=1e-6)
 
 
 def test_killed_run_resumes_step_for_step(tmp_path):
@@ -354,21 +391,24 @@ def test_language_model_on_a_local_corpus(tmp_path):
         Trainer(experiment.get_config())
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-    """4 steps on one device, then --resume on 8 devices (data 4 x tensor 2) to step 6, and the
-    reverse: the losses of an uninterrupted single-device run (float32 tolerance)."""
-    changes = {"train.steps": 6, "checkpoint.every_steps": 4, "log.diagnostics_every_steps": 0,
-               "eval.every_steps": 0, "optim.schedule": "constant"}   # same LRs whatever train.steps
-    finish(cli(tmp_path / "whole", **changes))
-    finish(cli(tmp_path / "grow", **{**changes, "train.steps": 4}))
-    finish(cli(tmp_path / "grow", devices=8, resume=True, **changes,
-               **{"mesh.data": 4, "mesh.tensor": 2}))
-    finish(cli(tmp_path / "shrink", devices=8, **{**changes, "train.steps": 4},
-               **{"mesh.data": 4, "mesh.tensor": 2}))
-    finish(cli(tmp_path / "shrink", resume=True, **changes))
-    for name in ("grow", "shrink"):
-        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "whole"), rtol=1e-4,
-                                   err_msg=name)
+def test_checkpoint_restores_onto_another_mesh(tmp_path, one_device_run, data4_tensor2_run):
+    """The checkpoint of step 4 of a single-device run, resumed on 8 devices (data 4 x tensor 2)
+    to step 6, and the reverse: the losses of the uninterrupted single-device run (float32
+    tolerance)."""
+    grow, shrink = tmp_path / "grow", tmp_path / "shrink"
+    # the single-device run as if it had stopped after its checkpoint of step 4
+    shutil.copytree(one_device_run, grow)
+    shutil.rmtree(grow / "checkpoints" / "6")
+    (grow / "metrics.json").unlink()
+    (grow / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(grow) if r["step"] <= 4))
+    finish(cli(grow, devices=8, resume=True, **MESH_RUN, **{"train.steps": 6}, **MESHES["data4_tensor2"]))
+    shutil.copytree(data4_tensor2_run, shrink)
+    finish(cli(shrink, resume=True, **MESH_RUN, **{"train.steps": 6}))
+    for workdir in (grow, shrink):
+        assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [4, 6]
+        assert len(losses(workdir)) == 6
+        np.testing.assert_allclose(losses(workdir), losses(one_device_run), rtol=1e-4,
+                                   err_msg=workdir.name)
 
 
 @given(st.integers(1, 4), st.integers(1, 24), st.data())
@@ -401,8 +441,10 @@ def test_scored_logits_give_the_full_loss_and_gradients():
         total, correct, scored = scored_metrics(nnx.merge(graphdef, params, rest), batch, count)
         return total, (correct, scored)
 
-    (full, (correct, scored)), full_grads = jax.value_and_grad(loss, has_aux=True)(params, None)
-    (part, aux), part_grads = jax.value_and_grad(loss, has_aux=True)(params, 4)
+    # jitted, as the train step computes them (op by op, the two passes take 30 s on 2 CPU cores)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (full, (correct, scored)), full_grads = value_and_grad(params, None)
+    (part, aux), part_grads = value_and_grad(params, 4)
     assert int(scored) == 32 and (int(correct), int(scored)) == tuple(map(int, aux))
     np.testing.assert_allclose(part, full, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(part_grads), jax.tree.leaves(full_grads)):
