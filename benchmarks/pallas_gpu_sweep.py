@@ -5,6 +5,7 @@ small shape, then times forward and forward+backward on the chosen reference sha
 limit. Prints a Markdown table last.
 
     python -m benchmarks.pallas_gpu_sweep --shapes lm_170m long_seq --configs 8,2,8,4,16
+    python -m benchmarks.pallas_gpu_sweep --design parallel --configs 16,4,16,4,32
 
 A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward),
 the chunk size C and, optionally, the time splits of the forward and of the backward (0 or
@@ -23,12 +24,14 @@ import jax.numpy as jnp
 from benchmarks import kernel_speed as bench
 from palimpsa_jax import kernels
 from palimpsa_jax.kernels import chunking
-from palimpsa_jax.kernels.palimpsa import pallas_gpu
+from palimpsa_jax.kernels.palimpsa import pallas_gpu, pallas_gpu_parallel
 
 
 def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_num_warps: int,
-              chunk_size: int, time_splits: int = 0, backward_time_splits: int = 0):
-    """palimpsa_attention through the pallas_gpu backend with explicit tuning options."""
+              chunk_size: int, time_splits: int = 0, backward_time_splits: int = 0, *,
+              design: str = "recurrent", precision: str | None = None):
+    """palimpsa_attention through the pallas_gpu backend with explicit tuning options (time
+    splits: the recurrent design only; precision: the parallel design only)."""
     B, T, H, Dk = xs["q"].shape
     Dv = xs["v"].shape[-1]
     zeros = jnp.zeros((B, H, Dv, Dk), jnp.float32)
@@ -39,7 +42,7 @@ def attention(xs, block_v: int, num_warps: int, backward_block_v: int, backward_
         reset, scale=Dk**-0.5, return_variance=False, chunk_size=chunk_size,
         block_v=block_v, num_warps=num_warps, backward_block_v=backward_block_v,
         backward_num_warps=backward_num_warps, time_splits=time_splits or None,
-        backward_time_splits=backward_time_splits or None)
+        backward_time_splits=backward_time_splits or None, design=design, precision=precision)
     return o.astype(xs["v"].dtype)
 
 
@@ -61,9 +64,9 @@ def check_inputs(key):
     return xs, w, jax.jit(xla)(xs), loss_and_grads(xla)(xs, w)[1]
 
 
-def check(config, xs, w, o_xla, grads_xla) -> float:
+def check(config, design, precision, xs, w, o_xla, grads_xla) -> float:
     """Largest relative error of o and of every gradient against the xla backend's."""
-    fn = lambda xs: attention(xs, *config)
+    fn = lambda xs: attention(xs, *config, design=design, precision=precision)
     errors = [bench.relative_error(jax.jit(fn)(xs), o_xla)]
     _, grads = loss_and_grads(fn)(xs, w)
     errors += [bench.relative_error(grads[n], grads_xla[n]) for n in grads]
@@ -77,6 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", default=["8,2,8,4,16", "8,4,8,4,16"],
                         help="block_v,num_warps,backward_block_v,backward_num_warps,C"
                              "[,time_splits,backward_time_splits]")
+    parser.add_argument("--design", choices=pallas_gpu.DESIGNS, default="recurrent")
+    parser.add_argument("--precision", choices=pallas_gpu_parallel.PRECISIONS, default=None,
+                        help="the parallel design's matrix multiplies (default float32)")
     parser.add_argument("--time-limit-s", type=float, default=300)
     parser.add_argument("--skip-check", action="store_true",
                         help="time only (configurations whose fp32 check passed in an earlier run)")
@@ -87,7 +93,7 @@ def main(argv=None) -> int:
     failed = False
     reference = None if args.skip_check else check_inputs(jax.random.key(1))
     for config in configs * (reference is not None):
-        error = check(config, *reference)
+        error = check(config, args.design, args.precision, *reference)
         failed |= not error < bench.TOLERANCE
         print(f"check config {config}: max relative error {error:.2e}", flush=True)
     rows = []
@@ -98,18 +104,21 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}")
                 continue
-            fn = lambda xs, config=config: attention(xs, *config)
+            fn = lambda xs, config=config: attention(xs, *config, design=args.design,
+                                                     precision=args.precision)
             medians = []
             for program, arg_sets in [(jax.jit(fn), [(xs,) for xs, _ in inputs]),
                                       (loss_and_grads(fn), inputs)]:
                 compiled = program.lower(*arg_sets[0]).compile()
                 medians.append(statistics.median(bench.time_ms(compiled, arg_sets, 20, 1.0)))
-            rows.append([shape.name, shape.dims, str(config), f"{medians[0]:.3f}", f"{medians[1]:.3f}",
+            setting = " ".join([args.design, args.precision or "", str(config)])
+            rows.append([shape.name, shape.dims, setting, f"{medians[0]:.3f}", f"{medians[1]:.3f}",
                          f"{100 * shape.ceiling_ms('fwd') / medians[0]:.1f}",
                          f"{100 * shape.ceiling_ms('fwd+bwd') / medians[1]:.1f}"])
             print(" | ".join(rows[-1]), flush=True)
     print(bench.markdown_table(["shape", "(B, T, H, Dk, Dv)",
-                                "fwd block_v, warps; bwd block_v, warps; C[; splits fwd, bwd]",
+                                "design, precision, (fwd block_v, warps; bwd block_v, warps; C"
+                                "[; splits fwd, bwd])",
                                 "fwd ms", "fwd+bwd ms", "fwd % ceiling", "fwd+bwd % ceiling"], rows))
     return int(failed)
 

@@ -24,11 +24,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from palimpsa_jax.kernels import chunking, validation
-from palimpsa_jax.kernels.palimpsa import chunk
+from palimpsa_jax.kernels.palimpsa import chunk, pallas_gpu_parallel
+from palimpsa_jax.kernels.palimpsa.naive import direct_cotangents
 
 DEFAULT_BLOCK_V = 8
 DEFAULT_NUM_WARPS = 2
 DEFAULT_BACKWARD_NUM_WARPS = 4
+DEFAULT_CHUNK_SIZE = 16
+DESIGN_DEFAULTS = {
+    "parallel": dict(chunk_size=pallas_gpu_parallel.DEFAULT_CHUNK_SIZE,
+                     block_v=pallas_gpu_parallel.DEFAULT_BLOCK_V,
+                     num_warps=pallas_gpu_parallel.DEFAULT_NUM_WARPS,
+                     backward_num_warps=pallas_gpu_parallel.DEFAULT_BACKWARD_NUM_WARPS),
+    "recurrent": dict(chunk_size=DEFAULT_CHUNK_SIZE, block_v=DEFAULT_BLOCK_V,
+                      num_warps=DEFAULT_NUM_WARPS, backward_num_warps=DEFAULT_BACKWARD_NUM_WARPS),
+}
+DESIGNS = tuple(DESIGN_DEFAULTS)
+DEFAULT_DESIGN = "recurrent"
 # Enough programs to fill an H200 (132 SMs) several times over; fewer (b, h, v-tile) programs
 # than this split the time axis (see `_split_entering_states`).
 TARGET_PROGRAMS = 1024
@@ -245,18 +257,6 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     return out, (M_last[-1], Ibar_last[-1]), (M_bound, Ibar_bound)
 
 
-def _direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale: float):
-    """What token t's read-out gives dL/dM_t and dL/dIbar_t directly (not through later
-    states), and its plasticity 1 / I_t and posterior mean mu_t, each (block_v, Dk')."""
-    plasticity = 1.0 / (Ibar + prior)
-    mu = M * plasticity
-    d_M = scale * d_o[:, None] * q[None, :] * plasticity
-    d_precision = scale * d_o[:, None] * q[None, :] * mu
-    if d_var is not None:
-        d_precision += scale * scale * d_var[:, None] * (q * q)[None, :] * plasticity
-    return d_M, -plasticity * d_precision, plasticity, mu
-
-
 def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_in_ref,
                            Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref, *, scale: float,
                            dk: int, dv: int):
@@ -276,7 +276,9 @@ def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, 
         for alpha, q, k, v, beta, d_o, d_var in tokens:
             M = alpha * M + v[:, None] * k[None, :]
             Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
-            d_M, d_Ibar, _, _ = _direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale)
+            d_M, d_Ibar, _, _ = direct_cotangents(
+                M, Ibar, prior, q[None, :], d_o[:, None],
+                None if d_var is None else d_var[:, None], scale)
             weight = weight * alpha
             EM, EI = EM + weight * d_M, EI + weight * d_Ibar
         return M, Ibar, EM, EI, weight
@@ -330,8 +332,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
             i = steps[t]
             alpha, q, k, v, beta, d_o, d_var = tokens[t]
             (M, Ibar), (M_prev, Ibar_prev) = states[t + 1], states[t]
-            d_M, d_precision, plasticity, mu = _direct_cotangents(M, Ibar, prior, q, d_o, d_var,
-                                                                  scale)
+            d_M, d_precision, plasticity, mu = direct_cotangents(
+                M, Ibar, prior, q[None, :], d_o[:, None],
+                None if d_var is None else d_var[:, None], scale)
             GM = GM + d_M
             dq = scale * jnp.sum(d_o[:, None] * mu, axis=0)
             if d_var is not None:
@@ -448,26 +451,55 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
 
 
 def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, scale: float,
-                        return_variance: bool, chunk_size: int = 16, interpret: bool = False,
-                        block_v: int = DEFAULT_BLOCK_V, num_warps: int = DEFAULT_NUM_WARPS,
-                        time_splits: int | None = None, backward_block_v: int = DEFAULT_BLOCK_V,
-                        backward_num_warps: int = DEFAULT_BACKWARD_NUM_WARPS,
-                        backward_time_splits: int | None = None):
+                        return_variance: bool, chunk_size: int | None = None,
+                        interpret: bool = False, design: str = DEFAULT_DESIGN,
+                        block_v: int | None = None, num_warps: int | None = None,
+                        time_splits: int | None = None, backward_block_v: int | None = None,
+                        backward_num_warps: int | None = None,
+                        backward_time_splits: int | None = None, precision: str | None = None):
     """Pallas GPU backend; same arguments and returns as `palimpsa_reference`.
 
-    Forward and backward are Pallas kernels under the shared chunked custom VJP; block_v,
-    num_warps and time_splits tune the forward, backward_block_v, backward_num_warps and
-    backward_time_splits the backward (time splits: None picks them from the program count).
-    `interpret=True` runs the same kernel body in Pallas interpret mode on any platform.
+    design: "parallel" (every (chunk, b, h, row tile) a program, the per-token states of a row
+    as matrix multiplies: `pallas_gpu_parallel`) or "recurrent" (every (time split, b, h, row
+    tile) a program walking its tokens: this module). Forward and backward are Pallas kernels
+    under the shared chunked custom VJP; block_v and num_warps tune the forward,
+    backward_block_v and backward_num_warps the backward (None: the design's defaults);
+    time_splits and backward_time_splits (recurrent only; None picks them from the program
+    count); precision (parallel only: `pallas_gpu_parallel.dot_algorithm`, default "float32").
+    chunk_size: a power of two (None: the design's default; at least 16 for the
+    parallel design's matrix multiplies on a GPU). `interpret=True` runs the same kernel bodies
+    in Pallas interpret mode on any platform.
     """
     validation.check_platform("pallas_gpu", "gpu", interpret)
-    if chunk_size & (chunk_size - 1) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a power of two for pallas_gpu, got {chunk_size}")
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    parallel = design == "parallel"
+    defaults = DESIGN_DEFAULTS[design]
+    chunk_size = defaults["chunk_size"] if chunk_size is None else chunk_size
+    if chunk_size & (chunk_size - 1) or chunk_size < 1 or (parallel and not interpret
+                                                            and chunk_size < 16):
+        raise ValueError(f"chunk_size must be a power of two{' >= 16' * parallel} for "
+                         f"pallas_gpu design {design!r}, got {chunk_size}")
+    if parallel and (time_splits, backward_time_splits) != (None, None):
+        raise ValueError("time_splits and backward_time_splits are options of the 'recurrent' "
+                         "design of pallas_gpu")
+    if not parallel and precision is not None:
+        raise ValueError("precision is an option of the 'parallel' design of pallas_gpu")
+    pick = lambda value, name: defaults[name] if value is None else value
+    forward_options = dict(interpret=interpret, block_v=pick(block_v, "block_v"),
+                           num_warps=pick(num_warps, "num_warps"))
+    backward_options = dict(interpret=interpret, block_v=pick(backward_block_v, "block_v"),
+                            num_warps=pick(backward_num_warps, "backward_num_warps"))
+    passes = (pallas_gpu_parallel.forward, pallas_gpu_parallel.backward) if parallel else (
+        forward, backward)
+    if parallel:
+        precision = pallas_gpu_parallel.DEFAULT_PRECISION if precision is None else precision
+        forward_options["precision"] = backward_options["precision"] = precision
+    else:
+        forward_options["time_splits"] = time_splits
+        backward_options["time_splits"] = backward_time_splits
     return chunk.chunked(
         q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
         return_variance=return_variance, chunk_size=chunk_size,
-        forward=functools.partial(forward, interpret=interpret, block_v=block_v,
-                                  num_warps=num_warps, time_splits=time_splits),
-        backward=functools.partial(backward, interpret=interpret, block_v=backward_block_v,
-                                   num_warps=backward_num_warps,
-                                   time_splits=backward_time_splits))
+        forward=functools.partial(passes[0], **forward_options),
+        backward=functools.partial(passes[1], **backward_options))
