@@ -6,7 +6,7 @@ state after token t is
     M_t[v]    = from_start_t M_in[v]    + sum_s decay[t, s] v_s[v] k_s
     Ibar_t[v] = from_start_t Ibar_in[v] + sum_s decay[t, s] beta_s[v] k_s²
 
-one (C x C) @ (C x Dk) matrix multiply per row and state (tensor cores for 16-bit inputs). The
+one (C x C) @ (C x Dk) matrix multiply per row and state (tensor cores: `dot_algorithm`). The
 states entering the chunks (M_in, Ibar_in) come from matrix multiplies and a parallel prefix scan
 over chunks, as in chunked GLA, so every (chunk, b, h, row tile) is an independent program: its
 per-token states are formed, divided and read out in registers, one row at a time; nothing of
@@ -28,6 +28,12 @@ the gradients
 Non-finite inputs are handled as in the other chunked backends (`chunking.finite_inputs`): zeroed
 before the matrix multiplies, their outputs set to NaN from the bad token on.
 Inputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
+
+Measured on an H200 (benchmarks/RESULTS.md, eleventh session): correct to 5e-7 in float32, but
+slower than the recurrent design at every reference shape (LM shape 3.76 / 14.13 ms forward /
+forward+backward against 1.72 / 9.65); with bfloat16 products the backward is the faster one
+(LM 2.66 / 8.98). Forming a whole tile's states with one multiply (round 2, commit ff5ad56) was
+slower still. `pallas_gpu` keeps the recurrent design as its default.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from palimpsa_jax.kernels.gla.pallas_gpu import width
 from palimpsa_jax.kernels.palimpsa.naive import direct_cotangents
 
 DEFAULT_CHUNK_SIZE = 16
-DEFAULT_BLOCK_V = 4
+DEFAULT_BLOCK_V = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_BACKWARD_NUM_WARPS = 4
 PRECISIONS = ("float32", "bfloat16")
@@ -107,85 +113,101 @@ def _entering_states(k, v, beta, decay, from_start, poisoned, state):
 
 
 def _tile(q_ref, v_ref, tile_axis: int, dk: int, dv: int):
-    """Masks of a program's (C, Dk') token rows, (C, block_v) value columns and
-    (block_v, Dk') state tile."""
+    """Masks of a program's (C, Dk') token rows and (C, block_v) value columns, and the first
+    state row of its tile."""
     dk_pad, block_v = q_ref.shape[-1], v_ref.shape[-1]
-    k_mask = jnp.arange(dk_pad) < dk
-    v_mask = pl.program_id(tile_axis) * block_v + jnp.arange(block_v) < dv
-    return k_mask, v_mask, v_mask[:, None] & k_mask[None, :]
+    first = pl.program_id(tile_axis) * block_v
+    return jnp.arange(dk_pad) < dk, first + jnp.arange(block_v) < dv, first
 
 
-def _load_tile(refs, masks, state_refs, prior_ref):
-    """This program's q, k (C, Dk'), v, beta (C, block_v) and the rest of `refs` (C, block_v
-    columns: d_o, d_var, or None), float32, zero where masked; its entering state tiles
-    (block_v, Dk') and prior tile (1, block_v, Dk'; 1 where masked)."""
-    k_mask, v_mask, tile_mask = masks
+def _row_states(j, first, tokens, decay, from_start, state_refs, prior_ref, k_mask, dv,
+                algorithm):
+    """Row j of the tile: its inputs v_j, beta_j (C,), its states M, Ibar after every token of
+    the chunk, each (C, Dk'), and its prior (1, Dk')."""
+    k, v, beta = tokens
+    pick = jnp.arange(v.shape[-1])[None, :] == j
+    column = lambda x: jnp.sum(jnp.where(pick, x, 0.0), axis=1)
+    v_j, beta_j = column(v), column(beta)
+    mask = k_mask & (first + j < dv)
+    M_in, Ibar_in = (plgpu.load(ref.at[j], mask=mask, other=0.0) for ref in state_refs)
+    prior = plgpu.load(prior_ref.at[j], mask=mask, other=1.0)
+    entering = from_start[:, None]
+    M = dot(decay * v_j[None, :], k, (1, 0), algorithm) + entering * M_in[None, :]
+    Ibar = dot(decay * beta_j[None, :], k * k, (1, 0), algorithm) + entering * Ibar_in[None, :]
+    return v_j, beta_j, M, Ibar, prior[None, :]
+
+
+def _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask):
+    """q, k (C, Dk') and v, beta (C, block_v) of this program, float32, zero where masked."""
     load = lambda ref, mask: plgpu.load(ref, mask=mask[None, :], other=0.0).astype(jnp.float32)
-    columns = [None if ref is None else load(ref, v_mask) for ref in refs[2:]]
-    states = [plgpu.load(ref, mask=tile_mask, other=0.0) for ref in state_refs]
-    prior = plgpu.load(prior_ref, mask=tile_mask, other=1.0)[None]
-    return load(refs[0], k_mask), load(refs[1], k_mask), *columns, *states, prior
-
-
-def _outer(rows, k):
-    """rows (C, block_v) ⊗ k (C, Dk') per token, flattened to (C, block_v·Dk')."""
-    size, block_v = rows.shape
-    return (rows[:, :, None] * k[:, None, :]).reshape(size, block_v * k.shape[-1])
-
-
-def _states(k, v, beta, decay, from_start, M_in, Ibar_in, algorithm):
-    """The tile's states after every token of the chunk, M and Ibar (C, block_v, Dk'): one
-    (C x C) @ (C x block_v·Dk') matrix multiply each."""
-    shape = (k.shape[0], *M_in.shape)
-    entering = from_start[:, None, None]
-    M = dot(decay, _outer(v, k), (1, 0), algorithm).reshape(shape) + entering * M_in[None]
-    Ibar = (dot(decay, _outer(beta, k * k), (1, 0), algorithm).reshape(shape)
-            + entering * Ibar_in[None])
-    return M, Ibar
+    return load(q_ref, k_mask), load(k_ref, k_mask), load(v_ref, v_mask), load(beta_ref, v_mask)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref,
                     M_in_ref, Ibar_in_ref, o_ref, var_ref, *, scale: float, dk: int, dv: int,
                     algorithm):
-    """One (chunk, b, h, v-tile) program: the chunk's outputs (C, block_v)."""
-    masks = _tile(q_ref, v_ref, 3, dk, dv)
-    q, k, v, beta, M_in, Ibar_in, prior = _load_tile(
-        (q_ref, k_ref, v_ref, beta_ref), masks, (M_in_ref, Ibar_in_ref), prior_ref)
-    M, Ibar = _states(k, v, beta, decay_ref[...], from_start_ref[...], M_in, Ibar_in, algorithm)
-    plasticity = 1.0 / (Ibar + prior)
-    plgpu.store(o_ref, scale * jnp.sum(M * plasticity * q[:, None, :], axis=-1),
-                mask=masks[1][None, :])
+    """One (chunk, b, h, v-tile) program: the chunk's outputs (C, block_v), row by row."""
+    k_mask, v_mask, first = _tile(q_ref, v_ref, 3, dk, dv)
+    q, k, v, beta = _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask)
+    decay, from_start = decay_ref[...], from_start_ref[...]
+    columns = jnp.arange(v.shape[-1])[None, :]
+
+    def row(j, outputs):
+        o, var = outputs
+        _, _, M, Ibar, prior = _row_states(j, first, (k, v, beta), decay, from_start,
+                                           (M_in_ref, Ibar_in_ref), prior_ref, k_mask, dv,
+                                           algorithm)
+        plasticity = 1.0 / (Ibar + prior)
+        o = jnp.where(columns == j, scale * jnp.sum(M * plasticity * q, axis=1)[:, None], o)
+        if var_ref is not None:
+            var_j = scale * scale * jnp.sum(plasticity * q * q, axis=1)
+            var = jnp.where(columns == j, var_j[:, None], var)
+        return o, var
+
+    zeros = jnp.zeros(v.shape, jnp.float32)
+    o, var = jax.lax.fori_loop(0, v.shape[-1], row, (zeros, zeros))
+    plgpu.store(o_ref, o, mask=v_mask[None, :])
     if var_ref is not None:
-        plgpu.store(var_ref, scale * scale * jnp.sum(plasticity * (q * q)[:, None, :], axis=-1),
-                    mask=masks[1][None, :])
+        plgpu.store(var_ref, var, mask=v_mask[None, :])
 
 
-def _cotangents(refs, state_refs, prior_ref, decay, from_start, masks, scale, algorithm):
-    """The tile's inputs (`_load_tile`), its states and the direct cotangents of its read-outs:
-    q, k, v, beta, d_o, d_var, M, Ibar, plasticity, mu, gM, gI (states (C, block_v, Dk'))."""
-    q, k, v, beta, d_o, d_var, M_in, Ibar_in, prior = _load_tile(refs, masks, state_refs,
-                                                                   prior_ref)
-    M, Ibar = _states(k, v, beta, decay, from_start, M_in, Ibar_in, algorithm)
+def _row_cotangents(j, first, q, tokens, decay, from_start, state_refs, prior_ref, d_o, d_var,
+                    k_mask, dv, scale, algorithm):
+    """Row j's states (`_row_states`), posterior mean and the direct cotangents (gM, gI) of its
+    read-outs, each (C, Dk'), and its d_o, d_var (C,)."""
+    v_j, beta_j, M, Ibar, prior = _row_states(j, first, tokens, decay, from_start, state_refs,
+                                              prior_ref, k_mask, dv, algorithm)
+    pick = jnp.arange(d_o.shape[-1])[None, :] == j
+    column = lambda x: jnp.sum(jnp.where(pick, x, 0.0), axis=1)
+    d_o_j = column(d_o)
+    d_var_j = None if d_var is None else column(d_var)
     gM, gI, plasticity, mu = direct_cotangents(
-        M, Ibar, prior, q[:, None, :], d_o[:, :, None],
-        None if d_var is None else d_var[:, :, None], scale)
-    return q, k, v, beta, d_o, d_var, M, Ibar, plasticity, mu, gM, gI
+        M, Ibar, prior, q, d_o_j[:, None], None if d_var is None else d_var_j[:, None], scale)
+    return v_j, beta_j, M, Ibar, plasticity, mu, gM, gI, d_o_j, d_var_j
 
 
 def _sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref, M_in_ref,
                  Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref, d_prior_ref, *, scale: float,
                  dk: int, dv: int, algorithm):
-    """Pass 1, one (chunk, b, h, v-tile) program: the chunk's direct cotangents decayed to its
-    start, sum_t from_start_t (gM_t, gI_t), and its share of dL/dprior, sum_t gI_t."""
-    masks = _tile(q_ref, v_ref, 3, dk, dv)
-    from_start = from_start_ref[...]
-    *_, gM, gI = _cotangents((q_ref, k_ref, v_ref, beta_ref, d_o_ref, d_var_ref),
-                             (M_in_ref, Ibar_in_ref), prior_ref, decay_ref[...], from_start,
-                             masks, scale, algorithm)
-    to_start = lambda x: jnp.sum(from_start[:, None, None] * x, axis=0)
-    plgpu.store(EM_ref, to_start(gM), mask=masks[2])
-    plgpu.store(EI_ref, to_start(gI), mask=masks[2])
-    plgpu.store(d_prior_ref, jnp.sum(gI, axis=0), mask=masks[2])
+    """Pass 1, one (chunk, b, h, v-tile) program: per row, the chunk's direct cotangents decayed
+    to its start, sum_t from_start_t (gM_t, gI_t), and its share of dL/dprior, sum_t gI_t."""
+    k_mask, v_mask, first = _tile(q_ref, v_ref, 3, dk, dv)
+    q, k, v, beta = _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask)
+    d_o = plgpu.load(d_o_ref, mask=v_mask[None, :], other=0.0)
+    d_var = None if d_var_ref is None else plgpu.load(d_var_ref, mask=v_mask[None, :], other=0.0)
+    decay, from_start = decay_ref[...], from_start_ref[...]
+
+    def row(j, _):
+        *_, gM, gI, _, _ = _row_cotangents(j, first, q, (k, v, beta), decay, from_start,
+                                           (M_in_ref, Ibar_in_ref), prior_ref, d_o, d_var,
+                                           k_mask, dv, scale, algorithm)
+        mask = k_mask & (first + j < dv)
+        plgpu.store(EM_ref.at[j], jnp.sum(from_start[:, None] * gM, axis=0), mask=mask)
+        plgpu.store(EI_ref.at[j], jnp.sum(from_start[:, None] * gI, axis=0), mask=mask)
+        plgpu.store(d_prior_ref.at[j], jnp.sum(gI, axis=0), mask=mask)
+        return 0
+
+    jax.lax.fori_loop(0, v.shape[-1], row, 0)
 
 
 def _gradients_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref,
@@ -193,33 +215,47 @@ def _gradients_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, 
                       dq_ref, dk_ref, dv_ref, dbeta_ref, d_log_alpha_ref, *, scale: float,
                       dk: int, dv: int, algorithm):
     """Pass 2, one (chunk, b, h, v-tile) program: the total cotangents G, H of every token's
-    state from the chunk's direct ones and E (the cotangent reaching its end), and the inputs'
-    gradients; dq, dk and dlog_alpha are this tile's partial sums over its rows."""
-    masks = _tile(q_ref, v_ref, 3, dk, dv)
-    decay = decay_ref[...]
-    q, k, v, beta, d_o, d_var, M, Ibar, plasticity, mu, gM, gI = _cotangents(
-        (q_ref, k_ref, v_ref, beta_ref, d_o_ref, d_var_ref), (M_in_ref, Ibar_in_ref), prior_ref,
-        decay, from_start_ref[...], masks, scale, algorithm)
-    size = decay.shape[0]
-    to_end = jnp.sum(jnp.where(jnp.arange(size)[:, None] == size - 1, decay, 0.0), axis=0)
+    state, row by row, from the chunk's direct ones and E (the cotangent reaching its end), and
+    the inputs' gradients; dq, dk and dlog_alpha are this tile's partial sums over rows."""
+    k_mask, v_mask, first = _tile(q_ref, v_ref, 3, dk, dv)
+    q, k, v, beta = _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask)
+    d_o = plgpu.load(d_o_ref, mask=v_mask[None, :], other=0.0)
+    d_var = None if d_var_ref is None else plgpu.load(d_var_ref, mask=v_mask[None, :], other=0.0)
+    decay, from_start = decay_ref[...], from_start_ref[...]
+    to_end = jnp.sum(jnp.where(jnp.arange(decay.shape[0])[:, None] == decay.shape[0] - 1, decay,
+                               0.0), axis=0)
+    columns = jnp.arange(v.shape[-1])[None, :]
 
-    def total(g, E_ref):  # decayᵀ @ g + to_end ⊗ E
-        E = plgpu.load(E_ref, mask=masks[2], other=0.0)
-        summed = dot(decay, g.reshape(size, -1), (0, 0), algorithm).reshape(g.shape)
-        return summed + to_end[:, None, None] * E[None]
+    def row(j, sums):
+        dq, dk_, d_log_alpha, d_v, d_beta = sums
+        v_j, beta_j, M, Ibar, plasticity, mu, gM, gI, d_o_j, d_var_j = _row_cotangents(
+            j, first, q, (k, v, beta), decay, from_start, (M_in_ref, Ibar_in_ref), prior_ref,
+            d_o, d_var, k_mask, dv, scale, algorithm)
+        mask = k_mask & (first + j < dv)
+        EM, EI = (plgpu.load(ref.at[j], mask=mask, other=0.0) for ref in (EM_ref, EI_ref))
+        G = dot(decay, gM, (0, 0), algorithm) + to_end[:, None] * EM[None, :]
+        H = dot(decay, gI, (0, 0), algorithm) + to_end[:, None] * EI[None, :]
+        d_v_j = jnp.sum(G * k, axis=1)
+        d_beta_j = jnp.sum(H * k * k, axis=1)
+        dq = dq + scale * d_o_j[:, None] * mu
+        if d_var_j is not None:
+            dq = dq + 2 * scale * scale * d_var_j[:, None] * q * plasticity
+        dk_ = dk_ + G * v_j[:, None] + 2 * H * beta_j[:, None] * k
+        d_log_alpha = (d_log_alpha + jnp.sum(G * M + H * Ibar, axis=1)
+                       - v_j * d_v_j - beta_j * d_beta_j)
+        d_v = jnp.where(columns == j, d_v_j[:, None], d_v)
+        d_beta = jnp.where(columns == j, d_beta_j[:, None], d_beta)
+        return dq, dk_, d_log_alpha, d_v, d_beta
 
-    G, H = total(gM, EM_ref), total(gI, EI_ref)
-    kk = (k * k)[:, None, :]
-    d_v, d_beta = jnp.sum(G * k[:, None, :], axis=-1), jnp.sum(H * kk, axis=-1)
-    dq = scale * jnp.sum(d_o[:, :, None] * mu, axis=1)
-    if d_var is not None:
-        dq += 2 * scale * scale * q * jnp.sum(d_var[:, :, None] * plasticity, axis=1)
-    dk_ = jnp.sum(G * v[:, :, None] + 2 * H * beta[:, :, None] * k[:, None, :], axis=1)
-    d_log_alpha = (jnp.sum(jnp.sum(G * M + H * Ibar, axis=-1) - v * d_v - beta * d_beta, axis=1))
-    plgpu.store(dq_ref, dq, mask=masks[0][None, :])
-    plgpu.store(dk_ref, dk_, mask=masks[0][None, :])
-    plgpu.store(dv_ref, d_v, mask=masks[1][None, :])
-    plgpu.store(dbeta_ref, d_beta, mask=masks[1][None, :])
+    zeros = jnp.zeros(q.shape, jnp.float32)
+    columns_zero = jnp.zeros(v.shape, jnp.float32)
+    dq, dk_, d_log_alpha, d_v, d_beta = jax.lax.fori_loop(
+        0, v.shape[-1], row, (zeros, zeros, jnp.zeros(q.shape[:1], jnp.float32), columns_zero,
+                              columns_zero))
+    plgpu.store(dq_ref, dq, mask=k_mask[None, :])
+    plgpu.store(dk_ref, dk_, mask=k_mask[None, :])
+    plgpu.store(dv_ref, d_v, mask=v_mask[None, :])
+    plgpu.store(dbeta_ref, d_beta, mask=v_mask[None, :])
     d_log_alpha_ref[...] = d_log_alpha
 
 
