@@ -192,7 +192,7 @@ def test_pallas_gpu_designs_compute_the_same_function(monkeypatch, setting):
     cotangent) and the chunk-parallel one with any row tiles give the float64 reference's outputs,
     final state, variance and every gradient; its bfloat16 products within about 2^-9 of them."""
     options, tolerance_factor = PALLAS_GPU_SETTINGS[setting]
-    B, T, H, Dk, Dv, C = 1, 64, 2, 3, 5, 4                          # 16 chunks
+    B, T, H, Dk, Dv, C = 1, 62, 2, 3, 5, 4                          # 16 chunks, the last padded
     monkeypatch.setitem(kernels.PALIMPSA_BACKENDS, "pallas_gpu", functools.partial(
         pallas_gpu.palimpsa_pallas_gpu, **options))
     q, k, v, beta, log_alpha, prior, segment_ids = random_inputs(13, B, T, H, Dk, Dv)
