@@ -1,9 +1,19 @@
-"""Test-wide settings: float64 available for references, hypothesis profile for CI, and a
-persistent compilation cache private to this test process."""
+"""Test-wide settings: the repository root after the installed packages on sys.path,
+float64 available for references, hypothesis profile for CI, and a persistent compilation cache
+private to this test process."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+# `python -m pytest` puts the repository root first on sys.path. Its `kernels/` directory (the
+# installed package's `palimpsa_jax.kernels`) would then shadow the `kernels` distribution that
+# transformers (>= 5.25) imports; the root moves after the installed packages, where the tests
+# still find `benchmarks` and `experiments`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_AT_ROOT = [p for p in sys.path if os.path.abspath(p or os.curdir) == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _AT_ROOT] + _AT_ROOT
 
 # Many tests compile the same programs again: every Trainer (one a run) jits its own steps, and a
 # command run as a subprocess starts from nothing. JAX's persistent compilation cache, in a
