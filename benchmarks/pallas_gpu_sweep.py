@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                                       (loss_and_grads(fn), inputs)]:
                 compiled = program.lower(*arg_sets[0]).compile()
                 medians.append(statistics.median(bench.time_ms(compiled, arg_sets, 20, 1.0)))
-            setting = " ".join([args.design, args.precision or "", str(config)])
+            setting = " ".join(filter(None, [args.design, args.precision, str(config)]))
             rows.append([shape.name, shape.dims, setting, f"{medians[0]:.3f}", f"{medians[1]:.3f}",
                          f"{100 * shape.ceiling_ms('fwd') / medians[0]:.1f}",
                          f"{100 * shape.ceiling_ms('fwd+bwd') / medians[1]:.1f}"])

@@ -31,15 +31,7 @@ DEFAULT_BLOCK_V = 8
 DEFAULT_NUM_WARPS = 2
 DEFAULT_BACKWARD_NUM_WARPS = 4
 DEFAULT_CHUNK_SIZE = 16
-DESIGN_DEFAULTS = {
-    "parallel": dict(chunk_size=pallas_gpu_parallel.DEFAULT_CHUNK_SIZE,
-                     block_v=pallas_gpu_parallel.DEFAULT_BLOCK_V,
-                     num_warps=pallas_gpu_parallel.DEFAULT_NUM_WARPS,
-                     backward_num_warps=pallas_gpu_parallel.DEFAULT_BACKWARD_NUM_WARPS),
-    "recurrent": dict(chunk_size=DEFAULT_CHUNK_SIZE, block_v=DEFAULT_BLOCK_V,
-                      num_warps=DEFAULT_NUM_WARPS, backward_num_warps=DEFAULT_BACKWARD_NUM_WARPS),
-}
-DESIGNS = tuple(DESIGN_DEFAULTS)
+DESIGNS = ("recurrent", "parallel")    # this module's passes; `pallas_gpu_parallel`'s
 DEFAULT_DESIGN = "recurrent"
 # Enough programs to fill an H200 (132 SMs) several times over; fewer (b, h, v-tile) programs
 # than this split the time axis (see `_split_entering_states`).
@@ -474,8 +466,8 @@ def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, sc
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     parallel = design == "parallel"
-    defaults = DESIGN_DEFAULTS[design]
-    chunk_size = defaults["chunk_size"] if chunk_size is None else chunk_size
+    if chunk_size is None:
+        chunk_size = pallas_gpu_parallel.DEFAULT_CHUNK_SIZE if parallel else DEFAULT_CHUNK_SIZE
     if chunk_size & (chunk_size - 1) or chunk_size < 1 or (parallel and not interpret
                                                             and chunk_size < 16):
         raise ValueError(f"chunk_size must be a power of two{' >= 16' * parallel} for "
@@ -485,21 +477,16 @@ def palimpsa_pallas_gpu(q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, *, sc
                          "design of pallas_gpu")
     if not parallel and precision is not None:
         raise ValueError("precision is an option of the 'parallel' design of pallas_gpu")
-    pick = lambda value, name: defaults[name] if value is None else value
-    forward_options = dict(interpret=interpret, block_v=pick(block_v, "block_v"),
-                           num_warps=pick(num_warps, "num_warps"))
-    backward_options = dict(interpret=interpret, block_v=pick(backward_block_v, "block_v"),
-                            num_warps=pick(backward_num_warps, "backward_num_warps"))
+    # Only the options given; the passes' own keyword defaults are the design's defaults.
+    given = lambda **options: {name: x for name, x in options.items() if x is not None}
     passes = (pallas_gpu_parallel.forward, pallas_gpu_parallel.backward) if parallel else (
         forward, backward)
-    if parallel:
-        precision = pallas_gpu_parallel.DEFAULT_PRECISION if precision is None else precision
-        forward_options["precision"] = backward_options["precision"] = precision
-    else:
-        forward_options["time_splits"] = time_splits
-        backward_options["time_splits"] = backward_time_splits
     return chunk.chunked(
         q, k, v, beta, log_alpha, prior, M0, Ibar0, reset, scale=scale,
         return_variance=return_variance, chunk_size=chunk_size,
-        forward=functools.partial(passes[0], **forward_options),
-        backward=functools.partial(passes[1], **backward_options))
+        forward=functools.partial(passes[0], **given(
+            interpret=interpret, block_v=block_v, num_warps=num_warps, time_splits=time_splits,
+            precision=precision)),
+        backward=functools.partial(passes[1], **given(
+            interpret=interpret, block_v=backward_block_v, num_warps=backward_num_warps,
+            time_splits=backward_time_splits, precision=precision)))
