@@ -6,6 +6,8 @@ limit. Prints a Markdown table last.
 
     python -m benchmarks.pallas_gpu_sweep --shapes lm_170m long_seq --configs 8,2,8,4,16
     python -m benchmarks.pallas_gpu_sweep --design parallel --configs 16,4,16,4,32
+    ncu --kernel-name regex:palimpsa --launch-count 2 python -m benchmarks.pallas_gpu_sweep \
+        --profile-once --shapes lm_170m --configs 8,2,8,4,16      # a target for Nsight Compute
 
 A configuration is block_v,num_warps (forward), backward_block_v,backward_num_warps (backward),
 the chunk size C and, optionally, the time splits of the forward and of the backward (0 or
@@ -86,8 +88,19 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit-s", type=float, default=300)
     parser.add_argument("--skip-check", action="store_true",
                         help="time only (configurations whose fp32 check passed in an earlier run)")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="run each configuration's forward+backward twice at each shape, no "
+                             "check and no timing: a target for a profiler such as ncu")
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    if args.profile_once:
+        for name, config in [(name, config) for name in args.shapes for config in configs]:
+            xs, w = palimpsa_inputs(jax.random.key(0), bench.SHAPES[name], jnp.bfloat16)
+            fn = loss_and_grads(lambda xs, config=config: attention(
+                xs, *config, design=args.design, precision=args.precision))
+            for _ in range(2):
+                jax.block_until_ready(fn(xs, w))
+        return 0
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     failed = False

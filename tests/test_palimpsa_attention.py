@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import backends
 from palimpsa_jax import kernels
+from palimpsa_jax.kernels import validation
 from palimpsa_jax.kernels.palimpsa import pallas_gpu
 from references import gla_numpy, palimpsa_jax64, palimpsa_numpy, random_inputs, relative_error
 
@@ -237,6 +238,28 @@ def test_pallas_gpu_bad_options_raise_value_error(options, message):
         jax.grad(lambda *a: pallas_gpu.palimpsa_pallas_gpu(
             *a, zeros, zeros, np.zeros(log_alpha.shape, bool), scale=0.5, return_variance=False,
             interpret=True, **options)[0].sum())(q, k, v, beta, log_alpha, np.ones((1, 2, 2), np.float32))
+
+
+@pytest.mark.parametrize("design", pallas_gpu.DESIGNS)
+def test_pallas_gpu_kernels_take_the_approximate_reciprocal_on_a_gpu(monkeypatch, design):
+    """Lowered for a GPU (here, on the CPU), every Palimpsa kernel of the forward and the backward
+    computes 1 / I with the one-instruction reciprocal `rcp.approx.ftz.f32`
+    (`pallas_gpu_parallel.reciprocal`); in interpret mode, where the tests above check the values,
+    the division is exact."""
+    monkeypatch.setattr(validation, "check_platform", lambda *args: None)
+    q, k, v, beta, log_alpha, prior, _ = random_inputs(17, 1, 32, 1, 16, 16)
+    zeros = np.zeros((1, 1, 16, 16), np.float32)
+    loss = lambda *a: pallas_gpu.palimpsa_pallas_gpu(
+        *a, zeros, zeros, np.zeros(log_alpha.shape, bool), scale=0.25, return_variance=True,
+        design=design)[1].sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+        q, k, v, beta, log_alpha, np.ones((1, 16, 16), np.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    launches = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*", text)
+    names = {re.search(r'name = "(\w+)"', launch).group(1) for launch in launches}
+    assert {"forward", "backward"} <= {"forward" if "forward" in name else "backward"
+                                       for name in names}, names
+    assert all("rcp.approx.ftz.f32" in launch for launch in launches), names
 
 
 @pytest.mark.parametrize("option", ["time_splits", "backward_time_splits"])

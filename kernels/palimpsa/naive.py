@@ -30,12 +30,12 @@ def readout(M, Ibar, prior, q, scale: float, return_variance: bool):
     return o, variance
 
 
-def direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale: float):
+def direct_cotangents(M, Ibar, prior, q, d_o, d_var, scale: float, reciprocal=jnp.reciprocal):
     """What a read-out gives dL/dM and dL/dIbar directly (not through later states), and the
     plasticity 1 / I and posterior mean mu, each of the states' shape (a (block_v, Dk') tile at
     one token, or one row at every token of a chunk); prior, q (along Dk), d_o and d_var (along
-    Dv, or None) broadcast against it."""
-    plasticity = 1.0 / (Ibar + prior)
+    Dv, or None) broadcast against it. reciprocal: how 1 / I is computed (a kernel's own)."""
+    plasticity = reciprocal(Ibar + prior)
     mu = M * plasticity
     d_M = scale * d_o * q * plasticity
     d_precision = scale * d_o * q * mu

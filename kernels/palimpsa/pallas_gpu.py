@@ -12,6 +12,11 @@ batched matmul per split and a parallel prefix scan over splits); the backward's
 cotangent entering them, the reverse scan over splits of what each split's own read-outs give
 the state before it (`_cotangent_sums_kernel`, a forward walk of the split, in parallel).
 
+Every 1 / (Ibar + prior) is one MUFU instruction on a GPU (`pallas_gpu_parallel.reciprocal`):
+Triton's division cost about eight, and the forward's registers went from 187 to 168, enough for
+six programs per SM and the LM shape's 768 programs in one wave (H200, Nsight Compute: forward
+1.61 -> 0.81 ms, backward 8.93 -> 7.48 ms; benchmarks/RESULTS.md, twelfth session).
+
 Inputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
 """
 from __future__ import annotations
@@ -67,7 +72,7 @@ def _load_row(ref, n, i, mask):
 
 def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_ref,
             o_ref, var_ref, M_bound_ref, Ibar_bound_ref, M_ref, Ibar_ref,
-            *, scale: float, dk: int, dv: int):
+            *, scale: float, dk: int, dv: int, reciprocal):
     """One (split, b, h, v-tile) program. decay_ref holds alpha_t with resets already zeroed."""
     num_chunks, chunk_size = q_ref.shape[:2]
     block_v = v_ref.shape[-1]
@@ -91,7 +96,7 @@ def _kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M0_ref, Ibar0_r
         for i, (alpha, q, k, v, beta) in zip(steps, tokens):
             M = alpha * M + v[:, None] * k[None, :]
             Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
-            plasticity = 1.0 / (Ibar + prior)
+            plasticity = reciprocal(Ibar + prior)
             o_t = jnp.sum(M * plasticity * q[None, :], axis=1, keepdims=True)
             o = jnp.where(token[None, :] == i, scale * o_t, o)
             if var_ref is not None:
@@ -232,7 +237,8 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
     num_outputs = 2 if return_variance else 1
 
     outputs = pl.pallas_call(
-        functools.partial(_with_variance(_kernel, return_variance), scale=scale, dk=dk, dv=dv),
+        functools.partial(_with_variance(_kernel, return_variance), scale=scale, dk=dk, dv=dv,
+                          reciprocal=pallas_gpu_parallel.reciprocal(interpret)),
         grid=(splits, batch, heads, v_tiles),
         in_specs=[tokens, tokens, values, values, gates,
                   pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
@@ -251,7 +257,7 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
 
 def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_in_ref,
                            Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref, *, scale: float,
-                           dk: int, dv: int):
+                           dk: int, dv: int, reciprocal):
     """One (split, b, h, v-tile) program: what the split's own read-outs give the cotangent of the
     state entering it, E = sum_t (alpha_a ... alpha_t) (direct dL/dM_t, direct dL/dIbar_t) over
     its tokens a..t, walking them forward from the split's entering state."""
@@ -270,7 +276,7 @@ def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, 
             Ibar = alpha * Ibar + beta[:, None] * (k * k)[None, :]
             d_M, d_Ibar, _, _ = direct_cotangents(
                 M, Ibar, prior, q[None, :], d_o[:, None],
-                None if d_var is None else d_var[:, None], scale)
+                None if d_var is None else d_var[:, None], scale, reciprocal)
             weight = weight * alpha
             EM, EI = EM + weight * d_M, EI + weight * d_Ibar
         return M, Ibar, EM, EI, weight
@@ -287,7 +293,7 @@ def _cotangent_sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, 
 def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_bound_ref,
                      Ibar_bound_ref, d_o_ref, d_var_ref, dM_ref, dIbar_ref,
                      dq_ref, dk_ref, dv_ref, dbeta_ref, d_decay_ref, d_prior_ref, dM0_ref,
-                     dIbar0_ref, *, scale: float, dk: int, dv: int):
+                     dIbar0_ref, *, scale: float, dk: int, dv: int, reciprocal):
     """One (b, h, v-tile) program of the backward, walking the chunks in reverse.
 
     Each chunk's states are recomputed in registers from its entering state; then, token by
@@ -326,7 +332,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, prior_ref, M_boun
             (M, Ibar), (M_prev, Ibar_prev) = states[t + 1], states[t]
             d_M, d_precision, plasticity, mu = direct_cotangents(
                 M, Ibar, prior, q[None, :], d_o[:, None],
-                None if d_var is None else d_var[:, None], scale)
+                None if d_var is None else d_var[:, None], scale, reciprocal)
             GM = GM + d_M
             dq = scale * jnp.sum(d_o[:, None] * mu, axis=0)
             if d_var is not None:
@@ -376,7 +382,7 @@ def _entering_cotangents(chunks, prior, boundary_states, reset, decay, d_out, d_
     variance = [d_var] if return_variance else []
     sums = pl.pallas_call(
         functools.partial(_with_variance(_cotangent_sums_kernel, return_variance), scale=scale,
-                          dk=dk, dv=dv),
+                          dk=dk, dv=dv, reciprocal=pallas_gpu_parallel.reciprocal(interpret)),
         grid=(splits, batch, heads, v_tiles),
         in_specs=[tokens, tokens, values, values, gates,
                   pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),
@@ -422,7 +428,7 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
     variance = [d_var] if return_variance else []
     dq, dk_, dv_, dbeta, d_decay, d_prior, dM0, dIbar0 = pl.pallas_call(
         functools.partial(_with_variance(_backward_kernel, return_variance), scale=scale,
-                          dk=dk, dv=dv),
+                          dk=dk, dv=dv, reciprocal=pallas_gpu_parallel.reciprocal(interpret)),
         grid=(splits, batch, heads, v_tiles),
         in_specs=[tokens, tokens, values, values, gates,
                   pl.BlockSpec((None, block_v, dk_pad), lambda s, b, h, j: (h, j, 0)),

@@ -29,11 +29,12 @@ Non-finite inputs are handled as in the other chunked backends (`chunking.finite
 before the matrix multiplies, their outputs set to NaN from the bad token on.
 Inputs use the chunk layout (N, B, H, C, ...) of `kernels.chunking`.
 
-Measured on an H200 (benchmarks/RESULTS.md, eleventh session): correct to 5e-7 in float32, but
-slower than the recurrent design at every reference shape (LM shape 3.76 / 14.13 ms forward /
-forward+backward against 1.72 / 9.65); with bfloat16 products the backward is the faster one
-(LM 2.66 / 8.98). Forming a whole tile's states with one multiply (round 2, commit ff5ad56) was
-slower still. `pallas_gpu` keeps the recurrent design as its default.
+Measured on an H200 (benchmarks/RESULTS.md, eleventh and twelfth sessions): correct to 5e-7 in
+float32, but slower than the recurrent design at every reference shape (LM shape 3.66 / 13.34 ms
+forward / forward+backward against 1.14 / 7.80, both with the MUFU reciprocal); with bfloat16
+products (eleventh session) LM 2.66 / 8.98. Forming a whole tile's states with one multiply
+(round 2, commit ff5ad56) was slower still. `pallas_gpu` keeps the recurrent design as its
+default.
 """
 from __future__ import annotations
 
@@ -69,6 +70,18 @@ def dot_algorithm(precision: str, interpret: bool):
         return jnp.bfloat16, None
     return jnp.float32, (jax.lax.Precision.HIGHEST if interpret
                          else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+
+
+def reciprocal(interpret: bool):
+    """1 / x of a float32 array inside a kernel: on a GPU one MUFU instruction (PTX
+    `rcp.approx.ftz.f32`, at most 1 ulp from the exact reciprocal) where Triton's division
+    `div.full.f32` costs about eight (range checks and selects around the same MUFU); in
+    interpret mode the exact division."""
+    if interpret:
+        return jnp.reciprocal
+    return lambda x: plgpu.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
 
 def dot(a, b, contract: tuple[int, int], algorithm):
@@ -145,7 +158,7 @@ def _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask):
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref,
                     M_in_ref, Ibar_in_ref, o_ref, var_ref, *, scale: float, dk: int, dv: int,
-                    algorithm):
+                    algorithm, reciprocal):
     """One (chunk, b, h, v-tile) program: the chunk's outputs (C, block_v), row by row."""
     k_mask, v_mask, first = _tile(q_ref, v_ref, 3, dk, dv)
     q, k, v, beta = _load_tokens(q_ref, k_ref, v_ref, beta_ref, k_mask, v_mask)
@@ -157,7 +170,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, pr
         _, _, M, Ibar, prior = _row_states(j, first, (k, v, beta), decay, from_start,
                                            (M_in_ref, Ibar_in_ref), prior_ref, k_mask, dv,
                                            algorithm)
-        plasticity = 1.0 / (Ibar + prior)
+        plasticity = reciprocal(Ibar + prior)
         o = jnp.where(columns == j, scale * jnp.sum(M * plasticity * q, axis=1)[:, None], o)
         if var_ref is not None:
             var_j = scale * scale * jnp.sum(plasticity * q * q, axis=1)
@@ -172,7 +185,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, pr
 
 
 def _row_cotangents(j, first, q, tokens, decay, from_start, state_refs, prior_ref, d_o, d_var,
-                    k_mask, dv, scale, algorithm):
+                    k_mask, dv, scale, algorithm, reciprocal):
     """Row j's states (`_row_states`), posterior mean and the direct cotangents (gM, gI) of its
     read-outs, each (C, Dk'), and its d_o, d_var (C,)."""
     v_j, beta_j, M, Ibar, prior = _row_states(j, first, tokens, decay, from_start, state_refs,
@@ -182,13 +195,14 @@ def _row_cotangents(j, first, q, tokens, decay, from_start, state_refs, prior_re
     d_o_j = column(d_o)
     d_var_j = None if d_var is None else column(d_var)
     gM, gI, plasticity, mu = direct_cotangents(
-        M, Ibar, prior, q, d_o_j[:, None], None if d_var is None else d_var_j[:, None], scale)
+        M, Ibar, prior, q, d_o_j[:, None], None if d_var is None else d_var_j[:, None], scale,
+        reciprocal)
     return v_j, beta_j, M, Ibar, plasticity, mu, gM, gI, d_o_j, d_var_j
 
 
 def _sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref, M_in_ref,
                  Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref, d_prior_ref, *, scale: float,
-                 dk: int, dv: int, algorithm):
+                 dk: int, dv: int, algorithm, reciprocal):
     """Pass 1, one (chunk, b, h, v-tile) program: per row, the chunk's direct cotangents decayed
     to its start, sum_t from_start_t (gM_t, gI_t), and its share of dL/dprior, sum_t gI_t."""
     k_mask, v_mask, first = _tile(q_ref, v_ref, 3, dk, dv)
@@ -200,7 +214,7 @@ def _sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior
     def row(j, _):
         *_, gM, gI, _, _ = _row_cotangents(j, first, q, (k, v, beta), decay, from_start,
                                            (M_in_ref, Ibar_in_ref), prior_ref, d_o, d_var,
-                                           k_mask, dv, scale, algorithm)
+                                           k_mask, dv, scale, algorithm, reciprocal)
         mask = k_mask & (first + j < dv)
         plgpu.store(EM_ref.at[j], jnp.sum(from_start[:, None] * gM, axis=0), mask=mask)
         plgpu.store(EI_ref.at[j], jnp.sum(from_start[:, None] * gI, axis=0), mask=mask)
@@ -213,7 +227,7 @@ def _sums_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior
 def _gradients_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, prior_ref,
                       M_in_ref, Ibar_in_ref, d_o_ref, d_var_ref, EM_ref, EI_ref,
                       dq_ref, dk_ref, dv_ref, dbeta_ref, d_log_alpha_ref, *, scale: float,
-                      dk: int, dv: int, algorithm):
+                      dk: int, dv: int, algorithm, reciprocal):
     """Pass 2, one (chunk, b, h, v-tile) program: the total cotangents G, H of every token's
     state, row by row, from the chunk's direct ones and E (the cotangent reaching its end), and
     the inputs' gradients; dq, dk and dlog_alpha are this tile's partial sums over rows."""
@@ -230,7 +244,7 @@ def _gradients_kernel(q_ref, k_ref, v_ref, beta_ref, decay_ref, from_start_ref, 
         dq, dk_, d_log_alpha, d_v, d_beta = sums
         v_j, beta_j, M, Ibar, plasticity, mu, gM, gI, d_o_j, d_var_j = _row_cotangents(
             j, first, q, (k, v, beta), decay, from_start, (M_in_ref, Ibar_in_ref), prior_ref,
-            d_o, d_var, k_mask, dv, scale, algorithm)
+            d_o, d_var, k_mask, dv, scale, algorithm, reciprocal)
         mask = k_mask & (first + j < dv)
         EM, EI = (plgpu.load(ref.at[j], mask=mask, other=0.0) for ref in (EM_ref, EI_ref))
         G = dot(decay, gM, (0, 0), algorithm) + to_end[:, None] * EM[None, :]
@@ -316,7 +330,7 @@ def forward(chunks, prior, state, reset, *, scale: float, return_variance: bool,
         (num_chunks, batch, heads, v_tiles),
         [tokens, tokens, values, values, decays, gates, priors, states, states],
         [values] * num_outputs, [out] * num_outputs, num_warps, interpret,
-        scale=scale, dk=dk, dv=dv, algorithm=algorithm,
+        scale=scale, dk=dk, dv=dv, algorithm=algorithm, reciprocal=reciprocal(interpret),
     )(q, k, v, beta, decay, from_start, prior, *entering)
     o = chunking.poison(outputs[0], poisoned)
     variance = chunking.poison(outputs[1], poisoned) if return_variance else None
@@ -340,7 +354,8 @@ def backward(chunks, prior, boundary_states, reset, d_out, d_final_state, *, sca
     in_specs += [values] * (len(cotangents) - 1)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     state_shape = f32(num_chunks, batch, heads, dv, dk)
-    kwargs = dict(scale=scale, dk=dk, dv=dv, algorithm=algorithm)
+    kwargs = dict(scale=scale, dk=dk, dv=dv, algorithm=algorithm,
+                  reciprocal=reciprocal(interpret))
 
     EM, EI, d_prior = _call(
         _with_variance(_sums_kernel, 10, return_variance), "palimpsa_parallel_cotangent_sums",
