@@ -93,13 +93,15 @@ def main(argv=None) -> int:
                              "check and no timing: a target for a profiler such as ncu")
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    attention_of = lambda config: lambda xs: attention(xs, *config, design=args.design,
+                                                       precision=args.precision)
     if args.profile_once:
-        for name, config in [(name, config) for name in args.shapes for config in configs]:
+        for name in args.shapes:
             xs, w = palimpsa_inputs(jax.random.key(0), bench.SHAPES[name], jnp.bfloat16)
-            fn = loss_and_grads(lambda xs, config=config: attention(
-                xs, *config, design=args.design, precision=args.precision))
-            for _ in range(2):
-                jax.block_until_ready(fn(xs, w))
+            for config in configs:
+                fn = loss_and_grads(attention_of(config))
+                for _ in range(2):
+                    jax.block_until_ready(fn(xs, w))
         return 0
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
@@ -117,8 +119,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}")
                 continue
-            fn = lambda xs, config=config: attention(xs, *config, design=args.design,
-                                                     precision=args.precision)
+            fn = attention_of(config)
             medians = []
             for program, arg_sets in [(jax.jit(fn), [(xs,) for xs, _ in inputs]),
                                       (loss_and_grads(fn), inputs)]:
