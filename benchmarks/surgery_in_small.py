@@ -111,7 +111,7 @@ def main(argv=None):
     _in_batches({f"long_context_{run.name}": (
         "long_context", "--workdir", str(run), f"--length={length}", "--documents=64",
         f"--min_length={length}", "--batch_size=8", *passkey)
-        for run in [base, *runs.values()] if not (run / "long_context" / "passkey.json").exists()},
+        for run in [base, *runs.values()] if not (run / "long_context" / "passkey_prose.json").exists()},
         args.parallel, logs, env)
 
     report = _report(base, runs, args.seeds, args.layers)
@@ -138,7 +138,7 @@ def _report(base: pathlib.Path, runs: dict, seeds: list[int], layers: str) -> st
     for i, bucket in enumerate(tables["base"]):
         lines.append(f"| {bucket['first']}-{bucket['last']} | "
                      + " | ".join(f"{tables[name][i]['mean_loss']:.4f}" for name in tables) + " |")
-    best = {name: max(map(max, json.loads((run / "long_context" / "passkey.json").read_text())["accuracy"]))
+    best = {name: max(map(max, json.loads((run / "long_context" / "passkey_prose.json").read_text())["accuracy"]))
             for name, run in [*runs.items(), ("base", base)]}
     lines += ["", "passkey, best cell: " + ", ".join(
         f"{name if isinstance(name, str) else f'{name[0]} s{name[1]}'} {value:.2f}" for name, value in best.items())]

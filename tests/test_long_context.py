@@ -94,31 +94,54 @@ def test_long_documents_and_bad_arguments(run):
                                   table.mean_loss)
 
 
+@pytest.mark.parametrize("name", list(lc.HAYSTACKS))
 @pytest.mark.parametrize("length", [70, 101, 163])
-def test_passkey_prompt(run, length):
-    """Exactly `length` tokens: filler, the needle at the sentence boundary nearest the depth,
-    filler, the question; the key's digits are tokens of the needle."""
+def test_passkey_prompt(run, length, name):
+    """Exactly `length` tokens: filler, the needle at the piece boundary nearest the depth (before
+    a whole piece, the one cut at its start first), filler, the question; the key's digits are
+    tokens of the needle."""
     _, tokenizer, _ = run
-    needle = lc._piece(tokenizer, lc.NEEDLE.format(key="40571"))
-    question = lc._piece(tokenizer, lc.QUESTION)
-    sentence = max(len(lc._piece(tokenizer, s)) for s in lc.FILLER)
+    haystack = lc.HAYSTACKS[name]
+    piece = lambda text: lc._piece(tokenizer, text, haystack.separator)
+    needle, question = piece(haystack.needle.format(key="40571")), piece(haystack.question)
+    longest = max(len(piece(s)) for s in haystack.filler)
+    marker = haystack.needle.split("{key}")[0].strip()
     for depth in (0, 0.3, 0.5, 1):
-        prompt = lc.passkey_prompt(tokenizer, length, depth, "40571")
+        prompt = lc.passkey_prompt(tokenizer, length, depth, "40571", haystack=haystack)
         tokens, at = prompt.tokens.tolist(), prompt.needle_start
-        assert len(tokens) == length and prompt.haystack == length - len(needle) - len(question)
+        assert len(tokens) == length and prompt.filler == length - len(needle) - len(question)
         assert tokens[at:at + len(needle)] == needle and tokens[-len(question):] == question
-        assert abs(at - depth * prompt.haystack) <= sentence
+        assert abs(at - depth * prompt.filler) <= longest
         before, after = tokenizer.decode(tokens[:at]), tokenizer.decode(tokens[at + len(needle):])
-        assert before == "" or before.endswith(".")           # the needle starts a sentence
-        assert "pass key" not in before + after.removesuffix(lc.QUESTION)
-        assert set(" ".join(lc.FILLER)) >= set(before + after.removesuffix(lc.QUESTION))
+        last = before.split(haystack.separator)[-1]         # the needle sits between pieces,
+        assert before == "" or any(s.endswith(last) for s in haystack.filler)
+        assert any(after.startswith(haystack.separator + s)  # before a whole one
+                   for s in (*haystack.filler, haystack.question))
+        filler_text = before + after.removesuffix(haystack.separator + haystack.question)
+        assert marker not in filler_text
+        assert set(haystack.separator.join(haystack.filler) + haystack.separator) >= set(filler_text)
         key = lc._piece(tokenizer, "40571")
         assert any(tokens[i:i + len(key)] == key for i in range(at, at + len(needle)))
         assert lc.answer(tokenizer, key) == "40571"
-    assert lc.passkey_prompt(tokenizer, length, 0, "40571").needle_start == 0
-    assert lc.passkey_prompt(tokenizer, length, 1, "40571").needle_start == prompt.haystack
+    assert lc.passkey_prompt(tokenizer, length, 0, "40571", haystack=haystack).needle_start <= longest
+    assert lc.passkey_prompt(tokenizer, length, 1, "40571", haystack=haystack).needle_start == prompt.filler
     with pytest.raises(ValueError, match="length"):
-        lc.passkey_prompt(tokenizer, len(needle) + len(question) - 1, 0.5, "40571")
+        lc.passkey_prompt(tokenizer, len(needle) + len(question) - 1, 0.5, "40571", haystack=haystack)
+
+
+@pytest.mark.parametrize("depth", [0, 0.4, 1])
+def test_python_passkey_prompt_is_python_whose_assert_holds_for_the_key(run, depth):
+    """The python haystack's prompt, from its first whole line, followed by " key" is a Python
+    module that assigns the key once and asserts it equals the key; another key fails."""
+    _, tokenizer, _ = run
+    haystack = lc.HAYSTACKS["python"]
+    text = tokenizer.decode(lc.passkey_prompt(tokenizer, 120, depth, "40571", haystack=haystack).tokens)
+    module = text[text.index("\n") + 1:] + " 40571"       # the filler's first line may be cut
+    namespace = {"print": lambda *args: None}
+    exec(compile(module, "<passkey>", "exec"), namespace)
+    assert namespace["PASS_KEY"] == 40571 and module.count("PASS_KEY") == 2
+    with pytest.raises(AssertionError):
+        exec(compile(module.removesuffix("40571") + "40572", "<passkey>", "exec"), {"print": lambda *a: None})
 
 
 def oracle(tokenizer, *, wrong: bool = False, first_half_only: bool = False):
@@ -182,7 +205,8 @@ def test_command_writes_tables_and_figures(run, run_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "palimpsa_jax.commands.long_context", f"--workdir={run_dir}", f"--compare={other}",
          "--length=32", "--documents=8", "--batch_size=6", "--passkey_lengths=70", "--passkey_depths=0,1",
-         "--trials=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+         "--passkey_haystacks=prose,python", "--trials=2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = run_dir / "long_context"
     written = json.loads((out / "loss_by_position.json").read_text())
@@ -191,8 +215,12 @@ def test_command_writes_tables_and_figures(run, run_dir, tmp_path):
     np.testing.assert_array_equal(table.count, saved.count)
     np.testing.assert_allclose(table.mean_loss, saved.mean_loss, rtol=1e-5)
     assert (out / "loss_by_position.csv").read_text().splitlines()[0] == "first,last,mean_loss,count,documents"
-    passkey = json.loads((out / "passkey.json").read_text())
+    passkey = json.loads((out / "passkey_prose.json").read_text())
     expected = lc.passkey_accuracy(model, run[1], lengths=[70], depths=[0, 1], trials=2)
-    assert passkey["accuracy"] == expected.accuracy.tolist()
-    for name in ("loss_by_position.png", "passkey.png"):
+    assert passkey["accuracy"] == expected.accuracy.tolist() and passkey["haystack"] == "prose"
+    python = json.loads((out / "passkey_python.json").read_text())
+    expected = lc.passkey_accuracy(model, run[1], lengths=[70], depths=[0, 1], trials=2,
+                                   haystack=lc.HAYSTACKS["python"])
+    assert python["accuracy"] == expected.accuracy.tolist() and python["haystack"] == "python"
+    for name in ("loss_by_position.png", "passkey_prose.png", "passkey_python.png"):
         assert (out / name).read_bytes()[:8] == PNG

@@ -3,8 +3,8 @@ r"""palimpsa-long-context: loss by position beyond the training length, and pass
     palimpsa-long-context --workdir runs/lm_palimpsa_d [--workdir runs/lm_attention ...] \
         [--corpus corpus/validation.npy] [--length 8192] [--documents 256] [--min_length 0] \
         [--batch_size 4] [--buckets 0,64,128,...] [--passkey_lengths 1024,2048,4096] \
-        [--passkey_depths 0,0.25,0.5,0.75,1] [--trials 10] [--tasks loss,passkey] \
-        [--compare runs/earlier_run ...] [--step S]
+        [--passkey_depths 0,0.25,0.5,0.75,1] [--passkey_haystacks prose,python] [--trials 10] \
+        [--tasks loss,passkey] [--compare runs/earlier_run ...] [--step S]
 
 For every --workdir (its checkpoint at --step, default the latest) it writes under
 runs/X/long_context/:
@@ -15,7 +15,8 @@ runs/X/long_context/:
   counted from its start; per bucket the mean loss, the tokens and the documents that reach it.
   The plot (log x) has a line for every --workdir and every --compare run (a run whose
   long_context/loss_by_position.json is already written; nothing is recomputed for it);
-- passkey.{json,png}: the accuracy of greedy retrieval of a 5-digit key hidden at each
+- passkey_HAYSTACK.{json,png} for each of --passkey_haystacks (default prose; python for models
+  trained on code): the accuracy of greedy retrieval of a 5-digit key hidden at each
   --passkey_depths fraction of a filler haystack of each --passkey_lengths tokens (default 1,
   2 and 4 x the training length), --trials keys each; the heatmap has the length on x and the
   depth on y.
@@ -52,6 +53,7 @@ def _define_flags():
     flags.DEFINE_list("buckets", None, "Bucket edges of positions (default 0, 1, 2, 4, ..., length).")
     flags.DEFINE_list("passkey_lengths", None, "Passkey prompt lengths (default 1, 2, 4 x training).")
     flags.DEFINE_list("passkey_depths", ["0", "0.25", "0.5", "0.75", "1"], "Needle depths in [0, 1].")
+    flags.DEFINE_list("passkey_haystacks", ["prose"], f"Passkey haystacks, of {','.join(lc.HAYSTACKS)}.")
     flags.DEFINE_integer("trials", 10, "Passkey keys per length and depth.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Seed of the passkey keys.")
     flags.DEFINE_list("tasks", list(TASKS), f"What to measure, of {','.join(TASKS)}.")
@@ -66,6 +68,8 @@ def _define_flags():
                              "--passkey_lengths must be comma-separated integers")
     flags.register_validator("passkey_depths", lambda b: all(_is_depth(x) for x in b),
                              "--passkey_depths must be comma-separated numbers in [0, 1]")
+    flags.register_validator("passkey_haystacks", lambda h: bool(h) and set(h) <= set(lc.HAYSTACKS),
+                             f"--passkey_haystacks must be among {list(lc.HAYSTACKS)}")
     flags.register_validator("tasks", lambda t: set(t) <= set(TASKS), f"--tasks must be among {TASKS}")
 
 
@@ -115,16 +119,18 @@ def _loss(run, out: pathlib.Path, length: int, f) -> lc.PositionLoss:
     return table
 
 
-def _passkey(run, out: pathlib.Path, lengths: list[int], f) -> lc.PasskeyResult:
+def _passkey(run, out: pathlib.Path, lengths: list[int], haystack: str, f) -> lc.PasskeyResult:
     try:
         result = lc.passkey_accuracy(run.model, run_tokenizer(run.workdir), lengths=lengths,
                                      depths=[float(x) for x in f.passkey_depths], trials=f.trials, seed=f.seed,
-                                     batch_size=f.batch_size)
+                                     batch_size=f.batch_size, haystack=lc.HAYSTACKS[haystack])
     except ValueError as e:           # a length too short for the needle and the question
         raise app.UsageError(f"--passkey_lengths: {e}") from None
-    (out / "passkey.json").write_text(json.dumps(
-        {"workdir": str(run.workdir), "step": run.step, **result.to_json()}, indent=1) + "\n")
-    lc.plot_passkey(result, out / "passkey.png", title=f"{run.workdir.name} step {run.step}")
+    (out / f"passkey_{haystack}.json").write_text(json.dumps(
+        {"workdir": str(run.workdir), "step": run.step, "haystack": haystack, **result.to_json()},
+        indent=1) + "\n")
+    lc.plot_passkey(result, out / f"passkey_{haystack}.png",
+                    title=f"{run.workdir.name} step {run.step}, {haystack} haystack")
     return result
 
 
@@ -145,9 +151,10 @@ def _main():
             print(f"{workdir} step {run.step}: loss by position up to {length} tokens")
             for first, last, mean, count, documents in zip(*table):
                 print(f"  {first:>7}-{last:<7} {mean:.4f} ({count} tokens, {documents} documents)")
-        if "passkey" in f.tasks:
-            result = _passkey(run, out, lengths, f)
-            print(f"{workdir} step {run.step}: passkey accuracy (rows: depth, columns: length)")
+        for haystack in f.passkey_haystacks if "passkey" in f.tasks else ():
+            result = _passkey(run, out, lengths, haystack, f)
+            print(f"{workdir} step {run.step}: passkey accuracy, {haystack} haystack (rows: depth, "
+                  "columns: length)")
             print("  depth  " + " ".join(f"{x:>7}" for x in result.lengths))
             for depth, row in zip(result.depths, result.accuracy):
                 print(f"  {depth:<6g} " + " ".join(f"{x:7.2f}" for x in row))

@@ -10,11 +10,13 @@ reports its mean loss, its token count and how many documents reach it: long pos
 averaged over the long documents only (`long_documents(min_length=length)` keeps the same
 documents in every bucket).
 
-Passkey. The haystack is a fixed filler, the sentences of FILLER repeated (Mohtashami & Jaggi,
-2023), so that nothing but the needle is worth remembering; the needle NEEDLE (a random key of
-`digits` digits) goes in at the sentence boundary nearest to `depth` of the haystack, QUESTION
+Passkey. The haystack is a fixed filler, the pieces of a `Haystack`'s filler repeated (Mohtashami
+& Jaggi, 2023), so that nothing but the needle is worth remembering; the needle (a random key of
+`digits` digits) goes in at the piece boundary nearest to `depth` of the haystack, the question
 ends the prompt, and the prompt is exactly `length` tokens (the filler is cut at its start).
-A trial is right when the first run of digits of the greedy continuation is the key.
+A trial is right when the first run of digits of the greedy continuation is the key. Two
+haystacks: "prose" (the English sentences of the original task) and "python" (lines of Python,
+the needle an assignment, the question an assert: the same task for a model trained on code).
 """
 from __future__ import annotations
 
@@ -32,10 +34,24 @@ from flax import nnx
 from palimpsa_jax.data.mqar import IGNORE
 from palimpsa_jax.models.generate import generate, until_eos
 
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-          "There and back again.")
-NEEDLE = "The pass key is {key}. Remember it."
-QUESTION = "What is the pass key? The pass key is"
+
+class Haystack(NamedTuple):
+    """A passkey task's text: filler pieces repeated, the needle (a format string of `key`) and
+    the question, each piece preceded by the separator; the key is asked to follow a space."""
+    filler: tuple[str, ...]
+    needle: str
+    question: str
+    separator: str
+
+
+HAYSTACKS = {
+    "prose": Haystack(("The grass is green.", "The sky is blue.", "The sun is yellow.",
+                       "Here we go.", "There and back again."),
+                      "The pass key is {key}. Remember it.", "What is the pass key? The pass key is",
+                      " "),
+    "python": Haystack(("import os", "x = [1, 2, 3]", "y = sum(x)", "print(x, y)", "z = x + [y]"),
+                       "PASS_KEY = {key}", "assert PASS_KEY ==", "\n"),
+}
 
 # continue_fn(prompts int32 (B, T), max_new_tokens) -> the continuations' ids (B, max_new_tokens)
 ContinueFn = Callable[[np.ndarray, int], np.ndarray]
@@ -125,42 +141,45 @@ def _token_losses(graphdef, state, tokens, labels):
 # --- passkey -----------------------------------------------------------------------------
 
 class PasskeyPrompt(NamedTuple):
-    """tokens int32 (length,): haystack[:needle_start], the needle, haystack[needle_start:], the
-    question; key: the digits asked for; haystack: the filler tokens in the prompt."""
+    """tokens int32 (length,): filler[:needle_start], the needle, filler[needle_start:], the
+    question; key: the digits asked for; filler: the number of filler tokens in the prompt."""
     tokens: np.ndarray
     key: str
     needle_start: int
-    haystack: int
+    filler: int
 
 
-def _piece(tokenizer, text: str) -> list[int]:
-    """The ids of text as it reads after a space in running text (SentencePiece drops the space
-    and adds its own word-start mark; byte-level BPE keeps it on the first word)."""
-    return tokenizer.encode(" " + text)
+def _piece(tokenizer, text: str, separator: str = " ") -> list[int]:
+    """The ids of text as it reads after the separator in running text (SentencePiece drops a
+    leading space and adds its own word-start mark; byte-level BPE keeps it on the first word)."""
+    return tokenizer.encode(separator + text)
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, key: str, *,
-                   filler: Sequence[str] = FILLER) -> PasskeyPrompt:
-    """The passkey prompt of exactly `length` tokens with the needle at the sentence boundary of
-    the haystack nearest to depth (in [0, 1]) of its tokens."""
+                   haystack: Haystack = HAYSTACKS["prose"]) -> PasskeyPrompt:
+    """The passkey prompt of exactly `length` tokens with the needle at the piece boundary of the
+    haystack nearest to depth (in [0, 1]) of its tokens: before a whole piece or at the end (the
+    first piece, cut at its start, comes before the needle at depth 0)."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    needle, question = _piece(tokenizer, NEEDLE.format(key=key)), _piece(tokenizer, QUESTION)
-    haystack = length - len(needle) - len(question)
-    if haystack < 0:
+    piece = lambda text: _piece(tokenizer, text, haystack.separator)
+    needle, question = piece(haystack.needle.format(key=key)), piece(haystack.question)
+    filler = length - len(needle) - len(question)
+    if filler < 0:
         raise ValueError(f"length must be at least {len(needle) + len(question)} tokens (the needle "
                          f"and the question), got {length}")
-    sentences = [_piece(tokenizer, s) for s in filler]
+    pieces = [piece(s) for s in haystack.filler]
     stream, ends = [], []
-    while len(stream) < haystack:
-        stream += sentences[len(ends) % len(sentences)]
+    while len(stream) < filler:
+        stream += pieces[len(ends) % len(pieces)]
         ends.append(len(stream))
-    cut = len(stream) - haystack                     # the filler loses its first `cut` tokens
-    boundaries = np.array([0] + [e - cut for e in ends if e > cut])
-    at = int(boundaries[np.argmin(np.abs(boundaries - depth * haystack))])
+    cut = len(stream) - filler                       # the filler loses its first `cut` tokens
+    starts = [0] + ends[:-1]                         # the needle goes before a whole piece or last
+    boundaries = np.array([b - cut for b in starts if b >= cut] + [filler])
+    at = int(boundaries[np.argmin(np.abs(boundaries - depth * filler))])
     hay = stream[cut:]
     tokens = np.array(hay[:at] + needle + hay[at:] + question, np.int32)
-    return PasskeyPrompt(tokens, key, at, haystack)
+    return PasskeyPrompt(tokens, key, at, filler)
 
 
 def greedy(model: nnx.Module) -> ContinueFn:
@@ -188,7 +207,8 @@ class PasskeyResult(NamedTuple):
 
 def passkey_accuracy(model: nnx.Module | ContinueFn, tokenizer, *, lengths: Sequence[int],
                      depths: Sequence[float], trials: int, seed: int = 0, digits: int = 5,
-                     batch_size: int | None = None, filler: Sequence[str] = FILLER) -> PasskeyResult:
+                     batch_size: int | None = None,
+                     haystack: Haystack = HAYSTACKS["prose"]) -> PasskeyResult:
     """Passkey accuracy over lengths x depths, `trials` random keys each (module docstring).
 
     model: a CausalLM (greedy decoding) or a continue_fn(prompts (B, T), max_new_tokens) -> ids
@@ -206,7 +226,7 @@ def passkey_accuracy(model: nnx.Module | ContinueFn, tokenizer, *, lengths: Sequ
     new_tokens = 1 + max(len(_piece(tokenizer, str(k))) for k in keys.flat)
     accuracy = np.zeros((len(depths), len(lengths)))
     for l, length in enumerate(lengths):
-        prompts = [passkey_prompt(tokenizer, length, depth, str(key), filler=filler)
+        prompts = [passkey_prompt(tokenizer, length, depth, str(key), haystack=haystack)
                    for depth, row in zip(depths, keys[l]) for key in row]
         size = batch_size or len(prompts)
         right = []
