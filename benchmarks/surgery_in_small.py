@@ -20,48 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 
 import palimpsa_jax.experiments
+from benchmarks.command_runs import SMALL, SMALL_STEPS, command, in_batches, metrics, shared_memory, wait
 
 EXPERIMENTS = pathlib.Path(palimpsa_jax.experiments.__file__).parent
-
-# --small: a model and budget a CPU runs in minutes (the numbers mean nothing).
-SMALL = ("--config.model.n_layers=4", "--config.model.d_model=64", "--config.data.seq_len=64",
-         "--config.batch_size=4", "--config.eval.batch_size=4")
-
-
-def _command(module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", f"palimpsa_jax.commands.{module}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
-
-
-def _wait(processes: dict[str, subprocess.Popen], logs: pathlib.Path) -> None:
-    failed = []
-    for name, process in processes.items():
-        output, _ = process.communicate()
-        (logs / f"{name}.log").write_text(output)
-        if process.returncode:
-            failed.append(f"{name} (exit {process.returncode}, log {logs / f'{name}.log'})")
-    if failed:
-        sys.exit(f"failed: {', '.join(failed)}")
-
-
-def _in_batches(jobs: dict[str, tuple], parallel: int, logs: pathlib.Path, env: dict) -> None:
-    names = list(jobs)
-    for start in range(0, len(names), parallel):
-        _wait({name: _command(*jobs[name], env=env) for name in names[start:start + parallel]}, logs)
-
-
-def _metrics(run: pathlib.Path) -> dict:
-    path = run / "metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def main(argv=None):
@@ -84,13 +50,12 @@ def main(argv=None):
     logs.mkdir(parents=True, exist_ok=True)
     data = (f"--config.data.path={corpus}/train-*.npy", f"--config.data.test_path={corpus}/validation-*.npy")
     small = SMALL if args.small else ()
-    steps = ("--config.train.steps=4", "--config.optim.warmup_steps=1") if args.small else ()
-    # several processes on one accelerator: each takes its share of the memory
-    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.8 / args.parallel:.2f}"} if args.parallel > 1 else {}
+    steps = SMALL_STEPS if args.small else ()
+    env = shared_memory(args.parallel)
 
     base = root / "pretrained"
-    if not _metrics(base):
-        _wait({"pretrain": _command(
+    if not metrics(base):
+        wait({"pretrain": command(
             "train", "--config", args.pretrain, "--workdir", str(base), *data, "--config.log.progress=False",
             f"--config.data.tokenizer={corpus}/tokenizer.json", "--config.data.eos_id=0", *small, *steps,
             *(("--resume",) if (base / "config.json").exists() else ()))}, logs)
@@ -98,17 +63,17 @@ def main(argv=None):
     arms = {"surgery": args.layers, "control": "none"}
     runs = {(arm, seed): root / f"{arm}_s{seed}" for arm in arms for seed in args.seeds}
     surgery_args = tuple(a for a in small if "n_layers" not in a and "d_model" not in a)
-    _in_batches({f"surgery_{arm}_s{seed}": (
+    in_batches({f"surgery_{arm}_s{seed}": (
         "surgery", "--from", str(base), "--workdir", str(run), "--layers", arms[arm], "--probe",
         f"{corpus}/validation-*.npy", "--config", args.finetune, *data, f"--config.seed={seed}",
         "--config.checkpoint.every_steps=100", *surgery_args, *steps, *(("--probe_rows=2",) if args.small else ()))
         for (arm, seed), run in runs.items() if not (run / "config.json").exists()}, args.parallel, logs, env)
-    _in_batches({f"finetune_{run.name}": (
+    in_batches({f"finetune_{run.name}": (
         "train", "--config", str(run / "experiment.py"), "--workdir", str(run), "--resume",
-        "--config.log.progress=False") for run in runs.values() if not _metrics(run)}, args.parallel, logs, env)
+        "--config.log.progress=False") for run in runs.values() if not metrics(run)}, args.parallel, logs, env)
     passkey = ("--passkey_lengths=128", "--trials=1") if args.small else ()
     length = 256 if args.small else args.length
-    _in_batches({f"long_context_{run.name}": (
+    in_batches({f"long_context_{run.name}": (
         "long_context", "--workdir", str(run), f"--length={length}", "--documents=64",
         f"--min_length={length}", "--batch_size=8", *passkey)
         for run in [base, *runs.values()] if not (run / "long_context" / "passkey_prose.json").exists()},
@@ -122,12 +87,12 @@ def main(argv=None):
 
 def _report(base: pathlib.Path, runs: dict, seeds: list[int], layers: str) -> str:
     record = json.loads((runs["surgery", seeds[0]] / "surgery.json").read_text())
-    lines = [f"base {base}: validation loss {_metrics(base)['eval/loss']:.4f}; surgery {layers} converts "
+    lines = [f"base {base}: validation loss {metrics(base)['eval/loss']:.4f}; surgery {layers} converts "
              f"layers {record['layers']} (windows {[round(w, 1) for w in record['windows']]})", "",
              "| seed | surgery | control | difference |", "|---|---|---|---|"]
     differences = []
     for seed in seeds:
-        meta, control = (_metrics(runs[arm, seed])["eval/loss"] for arm in ("surgery", "control"))
+        meta, control = (metrics(runs[arm, seed])["eval/loss"] for arm in ("surgery", "control"))
         differences.append(meta - control)
         lines.append(f"| {seed} | {meta:.4f} | {control:.4f} | {meta - control:+.4f} |")
     lines.append(f"| mean | | | {np.mean(differences):+.4f} (std {np.std(differences):.4f}) |")

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from benchmarks import lm_step
@@ -123,9 +124,10 @@ def test_breakdown_classes_device_events(tmp_path):
                                                     "loop_add_fusion", "copy.2"]
 
 
-@pytest.mark.smoke
-def test_smoke_surgery_in_small_prints_its_table(tmp_path):
-    """The surgery comparison end to end on a corpus prepared from text the test writes."""
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory):
+    """A corpus prepared by palimpsa-prepare from text the fixture writes, and the CPU env."""
+    tmp_path = tmp_path_factory.mktemp("text_corpus")
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(12):
@@ -137,8 +139,15 @@ def test_smoke_surgery_in_small_prints_its_table(tmp_path):
          str(tmp_path / "corpus"), "--train_tokenizer", "--vocab_size", "300", "--validation_fraction", "0.25",
          "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert prepare.returncode == 0, prepare.stderr[-3000:]
+    return tmp_path / "corpus", env
+
+
+@pytest.mark.smoke
+def test_smoke_surgery_in_small_prints_its_table(tmp_path, text_corpus):
+    """The surgery comparison end to end on a corpus prepared from text the test writes."""
+    corpus, env = text_corpus
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.surgery_in_small", "--corpus", str(tmp_path / "corpus"), "--root",
+        [sys.executable, "-m", "benchmarks.surgery_in_small", "--corpus", str(corpus), "--root",
          str(tmp_path / "runs"), "--small", "--seeds", "0", "--output", str(tmp_path / "table.md")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -147,6 +156,38 @@ def test_smoke_surgery_in_small_prints_its_table(tmp_path):
     control = json.loads((tmp_path / "runs" / "control_s0" / "metrics.json").read_text())
     assert "| 0 | " in table and f"{control['eval/loss']:.4f} |" in table
     assert table.count("\n| 1-1 |") == 1 and "passkey, best cell: surgery s0" in table
+
+
+@pytest.mark.smoke
+def test_smoke_zoo_on_text_reports_over_seeds(tmp_path, text_corpus):
+    """The zoo end to end on a tiny budget: two mixers over two seeds, the table's losses are the
+    runs' own (mean and spread over seeds), the evaluated seed's loss by position and passkey of
+    both haystacks are the command's outputs, the plot is written; a second call runs nothing."""
+    corpus, env = text_corpus
+    command = [sys.executable, "-m", "benchmarks.zoo_on_text", "--corpus", str(corpus), "--root",
+               str(tmp_path / "runs"), "--small", "--mixers", "gated_deltanet", "attention", "--seeds", "0", "1",
+               "--parallel", "2", "--output", str(tmp_path / "table.md")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text()
+    runs = tmp_path / "runs"
+    for mixer in ("gated_deltanet", "attention"):
+        losses = [json.loads((runs / f"{mixer}_s{s}" / "metrics.json").read_text())["eval/loss"] for s in (0, 1)]
+        assert losses[0] != losses[1]                       # the seeds differ
+        assert (f"| {mixer} | {losses[0]:.4f} | {losses[1]:.4f} | {np.mean(losses):.4f} | "
+                f"{abs(losses[0] - losses[1]):.4f} | {np.exp(np.mean(losses)):.2f} |") in table
+        saved = json.loads((runs / f"{mixer}_s0" / "long_context" / "loss_by_position.json").read_text())
+        assert "| 1-1 | " in table and f"{saved['buckets'][0]['mean_loss']:.4f}" in table
+        for haystack in ("prose", "python"):
+            passkey = json.loads((runs / f"{mixer}_s0" / "long_context" / f"passkey_{haystack}.json").read_text())
+            assert passkey["haystack"] == haystack and passkey["lengths"] == [128]
+        assert not (runs / f"{mixer}_s1" / "long_context").exists()
+    assert table.count("passkey, ") == 2
+    assert (runs / "loss_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stamps = {p: p.stat().st_mtime_ns for p in runs.glob("*/metrics.json")}
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and (tmp_path / "table.md").read_text() == table
+    assert {p: p.stat().st_mtime_ns for p in runs.glob("*/metrics.json")} == stamps
 
 
 @pytest.mark.smoke
