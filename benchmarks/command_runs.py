@@ -50,3 +50,22 @@ def metrics(run: pathlib.Path) -> dict:
     """The run's final metrics (metrics.json, written when training ends), {} before."""
     path = run / "metrics.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def add_arguments(parser) -> None:
+    """The arguments every chained benchmark takes: --corpus, --root, --parallel, --length,
+    --small, --output."""
+    parser.add_argument("--corpus", type=pathlib.Path, required=True, help="a palimpsa-prepare output directory")
+    parser.add_argument("--root", type=pathlib.Path, required=True, help="directory of the runs")
+    parser.add_argument("--parallel", type=int, default=1, help="trainings (and evaluations) at once")
+    parser.add_argument("--length", type=int, default=4096, help="positions of the loss by position")
+    parser.add_argument("--small", action="store_true", help="a tiny model and budget (CPU smoke run)")
+    parser.add_argument("--output", type=pathlib.Path, help="also write the Markdown table here")
+
+
+def workspace(args) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path, dict]:
+    """corpus and root (absolute), root/logs (made), and the processes' environment."""
+    corpus, root = args.corpus.resolve(), args.root.resolve()
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return corpus, root, logs, shared_memory(args.parallel)

@@ -25,33 +25,25 @@ import pathlib
 import numpy as np
 
 import palimpsa_jax.experiments
-from benchmarks.command_runs import SMALL, SMALL_STEPS, command, in_batches, metrics, shared_memory, wait
+from benchmarks.command_runs import SMALL, SMALL_STEPS, add_arguments, command, in_batches, metrics, wait, workspace
 
 EXPERIMENTS = pathlib.Path(palimpsa_jax.experiments.__file__).parent
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=pathlib.Path, required=True, help="a palimpsa-prepare output directory")
-    parser.add_argument("--root", type=pathlib.Path, required=True, help="directory of the runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--layers", default="weakest:4", help="palimpsa-surgery --layers of the surgery arm")
     parser.add_argument("--pretrain", default=f"{EXPERIMENTS}/lm/zoo.py:mamba2", help="experiment file of the base")
     parser.add_argument("--finetune", default=f"{EXPERIMENTS}/surgery/mamba2.py:zoo",
                         help="fine-tuning experiment file of both arms")
-    parser.add_argument("--parallel", type=int, default=1, help="fine-tunings (and evaluations) at once")
-    parser.add_argument("--length", type=int, default=4096, help="positions of the loss by position")
-    parser.add_argument("--small", action="store_true", help="a tiny model and budget (CPU smoke run)")
-    parser.add_argument("--output", type=pathlib.Path, help="also write the Markdown table here")
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
-    corpus, root = args.corpus.resolve(), args.root.resolve()
-    logs = root / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    corpus, root, logs, env = workspace(args)
     data = (f"--config.data.path={corpus}/train-*.npy", f"--config.data.test_path={corpus}/validation-*.npy")
     small = SMALL if args.small else ()
     steps = SMALL_STEPS if args.small else ()
-    env = shared_memory(args.parallel)
 
     base = root / "pretrained"
     if not metrics(base):

@@ -26,7 +26,7 @@ import pathlib
 import numpy as np
 
 import palimpsa_jax.experiments
-from benchmarks.command_runs import SMALL, SMALL_STEPS, in_batches, metrics, shared_memory
+from benchmarks.command_runs import SMALL, SMALL_STEPS, add_arguments, in_batches, metrics, workspace
 from palimpsa_jax.evaluation import long_context as lc
 
 ZOO = pathlib.Path(palimpsa_jax.experiments.__file__).parent / "lm" / "zoo.py"
@@ -35,22 +35,14 @@ MIXERS = ("palimpsa_d", "gated_deltanet", "mamba2", "attention")
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=pathlib.Path, required=True, help="a palimpsa-prepare output directory")
-    parser.add_argument("--root", type=pathlib.Path, required=True, help="directory of the runs")
     parser.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lr", type=float, default=None, help="learning rate of every run (default zoo.py's)")
-    parser.add_argument("--parallel", type=int, default=1, help="trainings (and evaluations) at once")
-    parser.add_argument("--length", type=int, default=4096, help="positions of the loss by position")
     parser.add_argument("--haystacks", nargs="+", default=["prose", "python"], choices=list(lc.HAYSTACKS))
-    parser.add_argument("--small", action="store_true", help="a tiny model and budget (CPU smoke run)")
-    parser.add_argument("--output", type=pathlib.Path, help="also write the Markdown table here")
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
-    corpus, root = args.corpus.resolve(), args.root.resolve()
-    logs = root / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    env = shared_memory(args.parallel)
+    corpus, root, logs, env = workspace(args)
     runs = {(mixer, seed): root / f"{mixer}_s{seed}" for mixer in args.mixers for seed in args.seeds}
     options = (f"--config.data.path={corpus}/train-*.npy", f"--config.data.test_path={corpus}/validation-*.npy",
                f"--config.data.tokenizer={corpus}/tokenizer.json", "--config.data.eos_id=0",
