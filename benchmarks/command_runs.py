@@ -46,6 +46,12 @@ def shared_memory(parallel: int) -> dict:
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.8 / parallel:.2f}"} if parallel > 1 else {}
 
 
+def resume(run: pathlib.Path) -> tuple[str, ...]:
+    """("--resume",) for a run that holds a checkpoint to continue from, else ()."""
+    checkpoints = run / "checkpoints"
+    return ("--resume",) if checkpoints.is_dir() and any(checkpoints.iterdir()) else ()
+
+
 def metrics(run: pathlib.Path) -> dict:
     """The run's final metrics (metrics.json, written when training ends), {} before."""
     path = run / "metrics.json"

@@ -25,7 +25,17 @@ import pathlib
 import numpy as np
 
 import palimpsa_jax.experiments
-from benchmarks.command_runs import SMALL, SMALL_STEPS, add_arguments, command, in_batches, metrics, wait, workspace
+from benchmarks.command_runs import (
+    SMALL,
+    SMALL_STEPS,
+    add_arguments,
+    command,
+    in_batches,
+    metrics,
+    resume,
+    wait,
+    workspace,
+)
 
 EXPERIMENTS = pathlib.Path(palimpsa_jax.experiments.__file__).parent
 
@@ -50,7 +60,7 @@ def main(argv=None):
         wait({"pretrain": command(
             "train", "--config", args.pretrain, "--workdir", str(base), *data, "--config.log.progress=False",
             f"--config.data.tokenizer={corpus}/tokenizer.json", "--config.data.eos_id=0", *small, *steps,
-            *(("--resume",) if (base / "config.json").exists() else ()))}, logs)
+            *resume(base))}, logs)
 
     arms = {"surgery": args.layers, "control": "none"}
     runs = {(arm, seed): root / f"{arm}_s{seed}" for arm in arms for seed in args.seeds}

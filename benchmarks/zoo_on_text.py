@@ -26,7 +26,7 @@ import pathlib
 import numpy as np
 
 import palimpsa_jax.experiments
-from benchmarks.command_runs import SMALL, SMALL_STEPS, add_arguments, in_batches, metrics, workspace
+from benchmarks.command_runs import SMALL, SMALL_STEPS, add_arguments, in_batches, metrics, resume, workspace
 from palimpsa_jax.evaluation import long_context as lc
 
 ZOO = pathlib.Path(palimpsa_jax.experiments.__file__).parent / "lm" / "zoo.py"
@@ -51,7 +51,7 @@ def main(argv=None):
                *((*SMALL, *SMALL_STEPS) if args.small else ()))
     in_batches({f"train_{run.name}": (
         "train", "--config", f"{ZOO}:{mixer}", "--workdir", str(run), f"--config.seed={seed}", *options,
-        *(("--resume",) if _has_checkpoint(run) else ()))
+        *resume(run))
         for (mixer, seed), run in runs.items() if not metrics(run)}, args.parallel, logs, env)
 
     evaluated = {mixer: runs[mixer, args.seeds[0]] for mixer in args.mixers}
@@ -70,10 +70,6 @@ def main(argv=None):
     print(report)
     if args.output:
         args.output.write_text(report + "\n")
-
-
-def _has_checkpoint(run: pathlib.Path) -> bool:
-    return (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
 
 
 def _training_length(runs: dict) -> int:

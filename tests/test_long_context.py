@@ -109,9 +109,9 @@ def test_passkey_prompt(run, length, name):
     for depth in (0, 0.3, 0.5, 1):
         prompt = lc.passkey_prompt(tokenizer, length, depth, "40571", haystack=haystack)
         tokens, at = prompt.tokens.tolist(), prompt.needle_start
-        assert len(tokens) == length and prompt.filler == length - len(needle) - len(question)
+        assert len(tokens) == length and prompt.filler_tokens == length - len(needle) - len(question)
         assert tokens[at:at + len(needle)] == needle and tokens[-len(question):] == question
-        assert abs(at - depth * prompt.filler) <= longest
+        assert abs(at - depth * prompt.filler_tokens) <= longest
         before, after = tokenizer.decode(tokens[:at]), tokenizer.decode(tokens[at + len(needle):])
         last = before.split(haystack.separator)[-1]         # the needle sits between pieces,
         assert before == "" or any(s.endswith(last) for s in haystack.filler)
@@ -124,7 +124,7 @@ def test_passkey_prompt(run, length, name):
         assert any(tokens[i:i + len(key)] == key for i in range(at, at + len(needle)))
         assert lc.answer(tokenizer, key) == "40571"
     assert lc.passkey_prompt(tokenizer, length, 0, "40571", haystack=haystack).needle_start <= longest
-    assert lc.passkey_prompt(tokenizer, length, 1, "40571", haystack=haystack).needle_start == prompt.filler
+    assert lc.passkey_prompt(tokenizer, length, 1, "40571", haystack=haystack).needle_start == prompt.filler_tokens
     with pytest.raises(ValueError, match="length"):
         lc.passkey_prompt(tokenizer, len(needle) + len(question) - 1, 0.5, "40571", haystack=haystack)
 

@@ -142,11 +142,11 @@ def _token_losses(graphdef, state, tokens, labels):
 
 class PasskeyPrompt(NamedTuple):
     """tokens int32 (length,): filler[:needle_start], the needle, filler[needle_start:], the
-    question; key: the digits asked for; filler: the number of filler tokens in the prompt."""
+    question; key: the digits asked for; filler_tokens: the number of filler tokens."""
     tokens: np.ndarray
     key: str
     needle_start: int
-    filler: int
+    filler_tokens: int
 
 
 def _piece(tokenizer, text: str, separator: str = " ") -> list[int]:
@@ -164,22 +164,22 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str, *,
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     piece = lambda text: _piece(tokenizer, text, haystack.separator)
     needle, question = piece(haystack.needle.format(key=key)), piece(haystack.question)
-    filler = length - len(needle) - len(question)
-    if filler < 0:
+    filler_tokens = length - len(needle) - len(question)
+    if filler_tokens < 0:
         raise ValueError(f"length must be at least {len(needle) + len(question)} tokens (the needle "
                          f"and the question), got {length}")
     pieces = [piece(s) for s in haystack.filler]
     stream, ends = [], []
-    while len(stream) < filler:
+    while len(stream) < filler_tokens:
         stream += pieces[len(ends) % len(pieces)]
         ends.append(len(stream))
-    cut = len(stream) - filler                       # the filler loses its first `cut` tokens
+    cut = len(stream) - filler_tokens                # the filler loses its first `cut` tokens
     starts = [0] + ends[:-1]                         # the needle goes before a whole piece or last
-    boundaries = np.array([b - cut for b in starts if b >= cut] + [filler])
-    at = int(boundaries[np.argmin(np.abs(boundaries - depth * filler))])
+    boundaries = np.array([b - cut for b in starts if b >= cut] + [filler_tokens])
+    at = int(boundaries[np.argmin(np.abs(boundaries - depth * filler_tokens))])
     hay = stream[cut:]
     tokens = np.array(hay[:at] + needle + hay[at:] + question, np.int32)
-    return PasskeyPrompt(tokens, key, at, filler)
+    return PasskeyPrompt(tokens, key, at, filler_tokens)
 
 
 def greedy(model: nnx.Module) -> ContinueFn:
