@@ -12,6 +12,8 @@ Markdown table last.
     python -m benchmarks.gla_sweep --op gated_delta --shapes lm_170m gated_deltanet
     python -m benchmarks.gla_sweep --op gated_delta --configs 32,4,64,2 32,2,64,2,4
     python -m benchmarks.gla_sweep --shapes tiny --configs 16,4,16,1 --interpret   # CPU smoke run
+    ncu --kernel-name regex:gated_delta python -m benchmarks.gla_sweep --op gated_delta \
+        --profile-once --shapes gated_deltanet --configs 32,4,64,2     # a target for Nsight Compute
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit-s", type=float, default=300)
     parser.add_argument("--interpret", action="store_true",
                         help="Pallas interpret mode (a CPU smoke run, with --shapes tiny)")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="run each case's forward, then its forward+backward, once each, "
+                             "with no check and no timing (for a profiler such as ncu)")
     args = parser.parse_args(argv)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     start = time.perf_counter()
@@ -69,7 +74,8 @@ def main(argv=None) -> int:
         xs, w = bench.make_inputs(jax.random.key(0), SHAPES[name], jnp.dtype(args.dtype))
         entry, names = bench.OPS[args.op]
         inputs = tuple(xs[name] for name in names)
-        expected = jax.jit(lambda *a, entry=entry: entry(*a, backend="xla"))(*inputs)
+        expected = (None if args.profile_once else
+                    jax.jit(lambda *a, entry=entry: entry(*a, backend="xla"))(*inputs))
         for config in configs:
             if time.perf_counter() - start > args.time_limit_s:
                 print(f"time limit: skipped {name} {config}", flush=True)
@@ -81,6 +87,10 @@ def main(argv=None) -> int:
             backward = jax.jit(jax.value_and_grad(   # the loss too: XLA keeps the forward
                 lambda *a, f=forward, w=w: jnp.vdot(f(*a).astype(jnp.float32), w),
                 argnums=tuple(range(len(inputs)))))
+            if args.profile_once:
+                for program in (forward, backward):
+                    jax.block_until_ready(program(*inputs))
+                continue
             error = bench.relative_error(forward(*inputs), expected)
             medians = [statistics.median(bench.time_ms(program, [inputs], 15, 1.0))
                        for program in (forward, backward)]

@@ -211,6 +211,19 @@ def test_gla_sweep_smoke_run_in_interpret_mode(op):
 
 
 @pytest.mark.smoke
+def test_gla_sweep_profile_once_runs_each_program_without_timing():
+    """`benchmarks.gla_sweep --profile-once` (the target given to Nsight Compute): each case's
+    forward and forward+backward run, in interpret mode here, and no timed row is printed."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gla_sweep", "--op", "gated_delta", "--shapes", "tiny",
+         "--configs", "16,4,16,1", "--interpret", "--profile-once"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert not [line for line in result.stdout.splitlines() if line.startswith("| tiny")]
+
+
+@pytest.mark.smoke
 def test_kernel_speed_checks_and_times_the_gated_delta_rule():
     """`benchmarks.kernel_speed --small --ops gated_delta` on the CPU: every backend that runs
     here is checked in float32 against the sequential reference (o and all five gradients, the
