@@ -8,8 +8,9 @@ Loads the run's checkpoint (the latest, or --step) and its tokenizer, encodes th
 draws --num_samples continuations in one batch (`models.generate`: the prompt in one forward,
 then one token a step; the recurrent mixers keep a fixed-size state, so memory per new token is
 constant). Each is cut at its first end-of-document token and printed after the prompt. Then
-the speed, timed after compilation: the prefill (the prompt's tokens/s) and the decode (tokens/s
-of the later steps). --temperature 0 is greedy; --top_k 0 and --top_p 1 turn those filters off.
+the speed, timed after compilation (medians of 5 calls): the prefill (the prompt's tokens/s) and
+the decode (tokens/s of the later steps; "not measured" when they take no measurable time).
+--temperature 0 is greedy; --top_k 0 and --top_p 1 turn those filters off.
 Also `python -m palimpsa_jax.commands.generate`.
 """
 from __future__ import annotations
@@ -82,6 +83,9 @@ def _main():
     if "decode_tokens_per_s" in speed:
         print(f"decode: {1e3 * speed['decode_s_per_step']:.2f} ms per step of {f.num_samples} "
               f"tokens, {speed['decode_tokens_per_s']:.0f} tokens/s")
+    elif "generate_s" in speed:
+        print(f"decode: not measured ({f.max_new_tokens} new tokens took "
+              f"{1e3 * speed['generate_s']:.1f} ms, no longer than the prefill)")
 
 
 def main():

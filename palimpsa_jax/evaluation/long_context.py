@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -265,14 +266,17 @@ def plot_passkey(result: PasskeyResult, path: pathlib.Path, *, title: str = "pas
     """Heatmap of the accuracy: x the context length, y the needle's depth, values printed."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(1.2 + 0.9 * len(result.lengths), 1.2 + 0.5 * len(result.depths)), dpi=120)
+    width = 1.2 + 0.9 * len(result.lengths)
+    fig = Figure(figsize=(width, 1.2 + 0.5 * len(result.depths)), dpi=120)
     ax = fig.subplots()
     image = ax.imshow(result.accuracy, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
     for (d, l), value in np.ndenumerate(result.accuracy):
         ax.text(l, d, f"{value:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(result.lengths)), [str(x) for x in result.lengths])
     ax.set_yticks(range(len(result.depths)), [f"{x:g}" for x in result.depths])
-    ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"{title} ({result.trials} trials)")
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth")
+    # wrapped to the figure's width (about 11 characters of 9-point text per inch)
+    ax.set_title(textwrap.fill(f"{title} ({result.trials} trials)", int(11 * width)), fontsize=9)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, format="png")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import jax
@@ -100,25 +101,33 @@ def generate_text(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int, 
     return [tokenizer.decode(ids + until_eos(row, tokenizer.eos_id))[len(head):] for row in new]
 
 
-def throughput(model: CausalLM, prompt: jax.Array, max_new_tokens: int, **sampling) -> dict[str, float]:
+def throughput(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, repeats: int = 5,
+               **sampling) -> dict[str, float]:
     """Seconds and tokens/s of `generate(model, prompt (B, T), max_new_tokens, **sampling)`,
-    prefill and decode apart, each timed on a second call (the first one compiles):
+    prefill and decode apart, each the median of `repeats` calls after a first that compiles:
 
     prefill: generate(..., 1), the prompt's forward and the first token, B * T tokens;
-    decode: generate(..., max_new_tokens) less the prefill, (max_new_tokens - 1) steps of B tokens
-    (omitted when max_new_tokens == 1).
+    generate_s: generate(..., max_new_tokens), when max_new_tokens > 1;
+    decode: the difference, (max_new_tokens - 1) steps of B tokens, omitted when it is not
+    positive (the decode steps lost in the timing's noise: too few of them to measure).
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     batch, length = prompt.shape
-
-    def seconds(new_tokens: int) -> float:
-        jax.block_until_ready(generate(model, prompt, new_tokens, **sampling))
-        start = time.perf_counter()
-        jax.block_until_ready(generate(model, prompt, new_tokens, **sampling))
-        return time.perf_counter() - start
-
-    prefill = seconds(1)
+    new_tokens = (1, max_new_tokens) if max_new_tokens > 1 else (1,)
+    times = {n: [] for n in new_tokens}
+    for n in new_tokens:
+        jax.block_until_ready(generate(model, prompt, n, **sampling))
+    for _ in range(repeats):   # interleaved, so that a slow spell of the machine hits both
+        for n in new_tokens:
+            start = time.perf_counter()
+            jax.block_until_ready(generate(model, prompt, n, **sampling))
+            times[n].append(time.perf_counter() - start)
+    prefill = statistics.median(times[1])
     out = {"prefill_s": prefill, "prefill_tokens_per_s": batch * length / prefill}
     if max_new_tokens > 1:
-        step = max(seconds(max_new_tokens) - prefill, 1e-9) / (max_new_tokens - 1)
-        out.update(decode_s_per_step=step, decode_tokens_per_s=batch / step)
+        out["generate_s"] = statistics.median(times[max_new_tokens])
+        if out["generate_s"] > prefill:
+            step = (out["generate_s"] - prefill) / (max_new_tokens - 1)
+            out.update(decode_s_per_step=step, decode_tokens_per_s=batch / step)
     return out
