@@ -2,6 +2,7 @@
 interpret mode on CPU, with JAX's 64-bit mode on (the test default) or off."""
 import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -86,9 +87,16 @@ def assert_gradients_match(ours, reference, args, names, seed: int = 0):
         assert relative_error(g, g_ref) < 2e-5, name
 
 
-def pallas_warps(fn, *args) -> list[tuple[str, int]]:
-    """(kernel name, num_warps) of every pallas_call in the jaxpr of jax.value_and_grad(fn) over
-    all its arguments, in program order (the forward's kernels first)."""
+class Kernel(NamedTuple):
+    name: str
+    num_warps: int
+    out_dtypes: tuple
+
+
+def pallas_kernels(fn, *args) -> list[Kernel]:
+    """(kernel name, num_warps, dtypes of its outputs) of every pallas_call in the jaxpr of
+    jax.value_and_grad(fn) over all its arguments, in program order (the forward's kernels
+    first)."""
     found = []
 
     def walk(jaxpr):
@@ -97,7 +105,8 @@ def pallas_warps(fn, *args) -> list[tuple[str, int]]:
                 params = eqn.params["compiler_params"]
                 params = params if hasattr(params, "num_warps") else params["triton"]
                 name = eqn.params.get("name") or eqn.params["name_and_src_info"]
-                found.append((str(name).split()[0], params.num_warps))
+                found.append(Kernel(str(name).split()[0], params.num_warps,
+                                    tuple(out.aval.dtype for out in eqn.outvars)))
             for value in eqn.params.values():
                 for inner in value if isinstance(value, (tuple, list)) else (value,):
                     inner = getattr(inner, "jaxpr", inner)

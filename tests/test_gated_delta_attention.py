@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 import backends
 from palimpsa_jax import kernels
 from palimpsa_jax.kernels import rules
+from palimpsa_jax.kernels.gated_deltanet import pallas_gpu
 from palimpsa_jax.kernels.gated_deltanet.pallas_gpu import gated_delta_pallas_gpu
+from palimpsa_jax.kernels.gla import pallas_gpu as gla
 from references import gated_delta_jax64, gated_delta_numpy, relative_error
 
 BACKENDS = sorted(kernels.GATED_DELTA_BACKENDS)
@@ -181,8 +183,30 @@ def test_pallas_gpu_backward_kernels_take_backward_num_warps():
     forward = ["gated_delta_prepare", "gated_delta_states", "gla_output"]
     backward = forward[:2] + ["gated_delta_local_cotangents", "gated_delta_state_cotangents",
                               "gated_delta_state_gradients", "gated_delta_wy_gradients"]
-    assert backends.pallas_warps(o, q, k, v, beta) == (
+    assert [kernel[:2] for kernel in backends.pallas_kernels(o, q, k, v, beta)] == (
         [(name, 2) for name in forward] + [(name, 8) for name in backward])
+
+
+def test_pallas_gpu_forward_stores_chunk_states_in_the_compute_dtype():
+    """16-bit inputs: the forward's states kernel stores each chunk's entering state in bf16,
+    which the output kernel multiplies in bf16 anyway, so the output equals the one from the
+    backward's float32 states bit for bit."""
+    q, k, v, beta, log_alpha, _ = random_inputs(1, 2, 48, 2, 8, 12, jnp.bfloat16)
+    reset = np.zeros(log_alpha.shape, bool)
+    S0 = np.zeros((2, 2, 12, 8), np.float32)
+    o = lambda q, k, v, beta: gated_delta_pallas_gpu(q, k, v, beta, log_alpha, S0, reset,
+                                                     scale=0.5, chunk_size=16, interpret=True)[0]
+    states = [kernel.out_dtypes[0] for kernel in backends.pallas_kernels(o, q, k, v, beta)
+              if kernel.name == "gated_delta_states"]
+    assert states == [jnp.bfloat16, jnp.float32]
+    config = gla.make_config(16, 0.5, 16, 4, 2, True)
+    (q, k, v, beta), g, seg = gla.chunk_inputs((q, k, v, beta), log_alpha, reset, 16)
+    beta, S0 = jnp.moveaxis(beta, 1, 2), gla.pad_state(S0, 16, 16)
+    outputs = []
+    for backward in (False, True):
+        _, _, S_in, U, _ = pallas_gpu._states(k, v, beta, g, seg, S0, config, backward=backward)
+        outputs.append(np.asarray(gla.output(q, k, U, g, seg, S_in, config), np.float32))
+    np.testing.assert_array_equal(*outputs)
 
 
 @pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import backends
 from palimpsa_jax import kernels
+from palimpsa_jax.kernels.gla import pallas_gpu
 from palimpsa_jax.kernels.gla.pallas_gpu import gla_pallas_gpu
 from references import gla_jax64, gla_numpy, random_inputs, relative_error
 
@@ -113,9 +114,31 @@ def test_pallas_gpu_backward_kernels_take_backward_num_warps():
     o = lambda q, k, v: gla_pallas_gpu(q, k, v, log_alpha, np.zeros((1, 1, 4, 4), np.float32),
                                        reset, scale=0.5, chunk_size=16, interpret=True,
                                        num_warps=2, backward_num_warps=8)[0]
-    assert backends.pallas_warps(o, q, k, v) == [
+    assert [kernel[:2] for kernel in backends.pallas_kernels(o, q, k, v)] == [
         ("gla_states", 2), ("gla_output", 2),
         ("gla_states", 8), ("gla_state_cotangents", 8), ("gla_gradients", 8)]
+
+
+def test_pallas_gpu_forward_stores_chunk_states_in_the_compute_dtype():
+    """16-bit inputs: the forward's states kernel stores each chunk's entering state in bf16,
+    which the output kernel multiplies in bf16 anyway, so the output equals the one from float32
+    states bit for bit; the backward's recomputed states stay float32."""
+    q, k, v, _, log_alpha, _, _ = random_inputs(1, 2, 48, 2, 8, 12, jnp.bfloat16)
+    reset = np.zeros(log_alpha.shape, bool)
+    S0 = np.zeros((2, 2, 12, 8), np.float32)
+    o = lambda q, k, v: gla_pallas_gpu(q, k, v, log_alpha, S0, reset, scale=0.5, chunk_size=16,
+                                       interpret=True)[0]
+    states = [kernel.out_dtypes[0] for kernel in backends.pallas_kernels(o, q, k, v)
+              if kernel.name == "gla_states"]
+    assert states == [jnp.bfloat16, jnp.float32]
+    config = pallas_gpu.make_config(16, 0.5, 16, 4, 2, True)
+    (q, k, v), g, seg = pallas_gpu.chunk_inputs((q, k, v), log_alpha, reset, 16)
+    S0 = pallas_gpu.pad_state(S0, 16, 16)
+    outputs = [pallas_gpu.output(q, k, v, g, seg, pallas_gpu._scan(
+        k, v, g, seg, S0, config, reverse=False, states_dtype=dtype)[0], config)
+        for dtype in (jnp.bfloat16, jnp.float32)]
+    assert outputs[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(outputs[0], np.float32), np.asarray(outputs[1], np.float32))
 
 
 @pytest.mark.parametrize("option,value", [("block", 24), ("block", 8), ("chunk_size", 0),

@@ -32,7 +32,8 @@ Only the inputs are saved for the backward. As in `kernels.gla.pallas_gpu`, g is
 chunk-local cumulative sum of log_alpha (XLA's, differentiated by autodiff), feature axes are
 padded inside the kernels to powers of two (at least 16) and T to whole chunks, 16-bit inputs
 multiply in 16 bits with float32 sums (the T doublings in TF32), float32 inputs in IEEE float32,
-and states are float32.
+and states are carried in float32 (the forward stores each chunk's entering state in the compute
+dtype for the output kernel, as `kernels.gla.pallas_gpu` does).
 
 Causality whatever the values: prepare replaces non-finite k, v, beta and g by 0 and sets W and
 U~ to NaN from the first bad token of the chunk on (U~ per value column for a bad v); U carries
@@ -137,7 +138,7 @@ def _scan_kernel(*refs, chunk_size, scale, reverse, dk, dv, dtype):
 
     def chunk(r, X):
         n = num_chunks - 1 - r if reverse else r
-        each_ref[n] = X
+        each_ref[n] = X.astype(each_ref.dtype)
         start = n * chunk_size
         rows = pl.ds(start, chunk_size)
         _, _, from_start, to_end, carry = gla.gates(*gla.chunk_gates(g_ref, seg_ref, start,
@@ -303,11 +304,12 @@ def _prepare(k, v, beta, g, seg, config, *, with_T: bool):
     return (T[0] if with_T else None), W, U_tilde
 
 
-def _scan(rows, keys, base, g, seg, init, config, *, reverse: bool, extra=()):
+def _scan(rows, keys, base, g, seg, init, config, *, reverse: bool, extra=(),
+          states_dtype=_F32):
     """`_scan_kernel` over every (b, h) and value tile: rows, keys (B, T, H, Dk), base
     (B, T, H, Dv), init (B, H, Dv', Dk') float32, extra (Q, dO) in reverse. Returns the tile
-    entering each chunk (B, H, N, Dv', Dk'), R (B, T, H, Dv) (U in the compute dtype, or dU
-    float32) and the last tile (B, H, Dv', Dk')."""
+    entering each chunk (B, H, N, Dv', Dk') in `states_dtype`, R (B, T, H, Dv) (U in the compute
+    dtype, or dU float32) and the last tile (B, H, Dv', Dk') float32."""
     batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, _ = gla.sizes(rows, base,
                                                                           config.block)
     num_chunks = length // config.chunk_size
@@ -324,7 +326,7 @@ def _scan(rows, keys, base, g, seg, init, config, *, reverse: bool, extra=()):
                  + ([keys_spec, values_spec] if reverse else []),
         out_specs=[pl.BlockSpec((None, None, num_chunks, block_v, dk_pad),
                                 lambda b, h, i: (b, h, 0, i, 0)), values_spec, state],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, dv_pad, dk_pad), _F32),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, dv_pad, dk_pad), states_dtype),
                    jax.ShapeDtypeStruct(base.shape, _F32 if reverse else dtype),
                    jax.ShapeDtypeStruct((batch, heads, dv_pad, dk_pad), _F32)],
         **gla.compiler(config, "gated_delta_state_cotangents" if reverse else "gated_delta_states",
@@ -385,10 +387,15 @@ def _gradients(q, k, v, beta, do, g, seg, T, U, dU, S_in, dS_out, config):
     return dq, dk_, dv_, dbeta, dg_wy + jnp.sum(dg_state, axis=2)
 
 
-def _states(k, v, beta, g, seg, S0, config, *, with_T: bool):
-    """T (or None), W, and the states pass: S_in of every chunk, U and the final state."""
-    T, W, U_tilde = _prepare(k, v, beta, g, seg, config, with_T=with_T)
-    return (T, W, *_scan(W, k, U_tilde, g, seg, S0, config, reverse=False))
+def _states(k, v, beta, g, seg, S0, config, *, backward: bool):
+    """T (the backward's, else None), W, and the states pass: S_in of every chunk, U and the
+    final state. S_in is float32 for the backward's gradients; for the forward's output kernel,
+    which multiplies it in the compute dtype, it is stored in that dtype (the same output, half
+    the memory traffic for 16-bit inputs)."""
+    T, W, U_tilde = _prepare(k, v, beta, g, seg, config, with_T=backward)
+    states_dtype = _F32 if backward else chunking.compute_dtype(k)
+    return (T, W, *_scan(W, k, U_tilde, g, seg, S0, config, reverse=False,
+                         states_dtype=states_dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -399,7 +406,7 @@ def _gated_delta(q, k, v, beta, g, seg, S0, config):
 def _gated_delta_fwd(q, k, v, beta, g, seg, S0, config):
     dk, dv = q.shape[-1], v.shape[-1]
     S0 = gla.pad_state(S0, gla.width(dv), gla.width(dk))
-    _, _, S_in, U, S = _states(k, v, beta, g, seg, S0, config, with_T=False)
+    _, _, S_in, U, S = _states(k, v, beta, g, seg, S0, config, backward=False)
     o = gla.output(q, k, U, g, seg, S_in, config).astype(v.dtype)
     return (o, S[..., :dv, :dk]), (q, k, v, beta, g, seg, S0)
 
@@ -410,7 +417,7 @@ def _gated_delta_bwd(config, residuals, cotangents):
     do, dS = cotangents
     do = do.astype(v.dtype)
     dv_pad, dk_pad = S0.shape[-2:]
-    T, W, S_in, U, _ = _states(k, v, beta, g, seg, S0, config, with_T=True)
+    T, W, S_in, U, _ = _states(k, v, beta, g, seg, S0, config, backward=True)
     dS_out, dU, dS0 = _scan(k, W, _local(q, k, do, g, seg, config), g, seg,
                             gla.pad_state(dS, dv_pad, dk_pad), config, reverse=True,
                             extra=(q, do))

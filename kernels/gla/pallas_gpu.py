@@ -21,7 +21,10 @@ The custom VJP takes g itself (its chunk-local cumulative sum is XLA's, differen
 autodiff) and saves only the inputs: the backward recomputes the states. Inputs stay in their
 (B, T, H, D) layout; Dk and Dv are padded inside the kernels to powers of two (at least 16), T
 to whole chunks. Matrix multiplies take 16-bit inputs in 16 bits with float32 accumulation (as
-flash-linear-attention does), float32 inputs in float32 (IEEE); states are float32.
+flash-linear-attention does), float32 inputs in float32 (IEEE); states are carried in float32.
+The forward stores the state entering each chunk in the compute dtype, in which the output
+kernel multiplies it anyway (the same output, half the traffic for 16-bit inputs); the
+backward's recomputed states stay float32.
 
 Causality whatever the values: decay masks are selects, not products, and a non-finite value is
 replaced by 0 where it would meet a masked (zero) weight of an earlier output (v in the output
@@ -107,7 +110,7 @@ def _scan_kernel(keys_ref, values_ref, g_ref, seg_ref, init_ref, each_ref, last_
 
     def chunk(r, X):
         n = num_chunks - 1 - r if reverse else r
-        each_ref[n] = X
+        each_ref[n] = X.astype(each_ref.dtype)
         start = n * chunk_size
         rows = pl.ds(start, chunk_size)
         g, seg, g_last, seg_last = chunk_gates(g_ref, seg_ref, start, chunk_size)
@@ -194,10 +197,10 @@ def sizes(q, v, block: int):
     return batch, length, heads, dk, dv, dk_pad, dv_pad, min(block, dv_pad), min(block, dk_pad)
 
 
-def _scan(keys, values, g, seg, init, config, *, reverse: bool):
+def _scan(keys, values, g, seg, init, config, *, reverse: bool, states_dtype=jnp.float32):
     """`_scan_kernel` over every (b, h) and state tile: keys (B, T, H, Dk), values (B, T, H, Dv),
-    init (B, H, Dv', Dk') float32. Returns the tile entering each chunk (B, H, N, Dv', Dk') and
-    the last (B, H, Dv', Dk'), float32 (padded)."""
+    init (B, H, Dv', Dk') float32. Returns the tile entering each chunk (B, H, N, Dv', Dk') in
+    `states_dtype` and the last (B, H, Dv', Dk') float32 (padded)."""
     batch, length, heads, dk, dv, dk_pad, dv_pad, block_v, block_k = sizes(keys, values,
                                                                              config.block)
     num_chunks = length // config.chunk_size
@@ -212,7 +215,7 @@ def _scan(keys, values, g, seg, init, config, *, reverse: bool):
                   gates, gates, state],
         out_specs=[pl.BlockSpec((None, None, num_chunks, block_v, block_k),
                                 lambda b, h, i, j: (b, h, 0, i, j)), state],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, dv_pad, dk_pad), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, dv_pad, dk_pad), states_dtype),
                    jax.ShapeDtypeStruct((batch, heads, dv_pad, dk_pad), jnp.float32)],
         **compiler(config, "gla_state_cotangents" if reverse else "gla_states", sequential=True),
     )(keys, values, g, seg, init)
@@ -278,7 +281,8 @@ def _gla(q, k, v, g, seg, S0, config):
 def _gla_fwd(q, k, v, g, seg, S0, config):
     dk, dv = q.shape[-1], v.shape[-1]
     S0 = pad_state(S0, width(dv), width(dk))
-    S_in, S = _scan(k, v, g, seg, S0, config, reverse=False)
+    S_in, S = _scan(k, v, g, seg, S0, config, reverse=False,
+                    states_dtype=chunking.compute_dtype(k))
     o = output(q, k, v, g, seg, S_in, config)
     return (o, S[..., :dv, :dk]), (q, k, v, g, seg, S0)
 
