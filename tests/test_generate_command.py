@@ -85,18 +85,19 @@ def test_until_eos():
 def test_greedy_text_is_generates_cut_at_eos_and_speed_is_reported(run, run_dir, tmp_path):
     """In a copy of the run whose eos is a token of the greedy continuation (config.json's
     data.eos_id, which the run's tokenizer takes), the text stops before that token's first
-    occurrence."""
+    occurrence. 256 new tokens, so that the decode steps take measurably longer than the prefill
+    (about 15 ms against 6 on a CPU)."""
     model, tokenizer = run
     ids = tokenizer.encode(PROMPT)
     with jax.enable_x64(False):                      # as in the command
-        new = np.asarray(generate(model, jnp.tile(jnp.asarray(ids), (2, 1)), 12, temperature=0.0))
+        new = np.asarray(generate(model, jnp.tile(jnp.asarray(ids), (2, 1)), 256, temperature=0.0))
     eos = int(new[0, 6])
     first = new[0].tolist().index(eos)
     copy = pathlib.Path(shutil.copytree(run_dir, tmp_path / "run"))
     config = json.loads((copy / "config.json").read_text())
     config["data"]["eos_id"] = eos
     (copy / "config.json").write_text(json.dumps(config))
-    result = command(f"--workdir={copy}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=12",
+    result = command(f"--workdir={copy}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=256",
                      "--num_samples=2")
     assert result.returncode == 0, result.stderr[-3000:]
     head = tokenizer.decode(ids)
@@ -104,9 +105,7 @@ def test_greedy_text_is_generates_cut_at_eos_and_speed_is_reported(run, run_dir,
     assert samples(result.stdout) == [text, text]
     assert len(text) < len(PROMPT + tokenizer.decode(ids + new[0].tolist())[len(head):])
     assert re.search(r"^prefill: \d+ tokens x 2 in [\d.]+ ms, \d+ tokens/s$", result.stdout, re.M)
-    # the tiny model's decode steps may take no measurable time on a CPU: either line is right
-    assert re.search(r"^decode: ([\d.]+ ms per step of 2 tokens, \d+ tokens/s|not measured \(12 new "
-                     r"tokens took [\d.]+ ms, no longer than the prefill\))$", result.stdout, re.M)
+    assert re.search(r"^decode: [\d.]+ ms per step of 2 tokens, \d+ tokens/s$", result.stdout, re.M)
 
 
 @pytest.mark.parametrize("args, flag", [
