@@ -89,7 +89,10 @@ def test_paper_grid_options_and_errors():
         (m, lr, s) for m in ("mamba2", "palimpsa_m") for lr in common.PAPER_LRS[1::2]
         for s in (1, 2)]
     assert {(p.train.steps, p.optim.schedule_every_steps) for p in part} == {(8 * 1563, 1563)}
-    for bad in ("paper,seed=1", "paper,mixers=lstm", "paper,lengths=2048"):
+    later = mqar_sweep.get_sweep("paper,seeds=2-3,lengths=1024,lrs=1,mixers=palimpsa_d")
+    assert [p.seed for p in later] == [2, 3]
+    for bad in ("paper,seed=1", "paper,mixers=lstm", "paper,lengths=2048", "paper,seeds=3-2",
+                "paper,seeds=two", "paper,seeds=9-12"):
         with pytest.raises(ValueError, match="config argument"):
             mqar_sweep.get_sweep(bad)
 

@@ -8,12 +8,13 @@
 `:paper` is the authors' grid (values in `common.py`): Palimpsa-D, Palimpsa-D without
 metaplasticity, Palimpsa-M, Mamba2 and Gated DeltaNet x (512 tokens, 128 pairs, batch 128) and
 (1024 tokens, 256 pairs, batch 64) x learning rates logspace(1e-3, 1e-2, 4) x seeds 1-8, each
-point up to 60 epochs with early stop. Options, to run part of it: `seeds=N` keeps seeds 1..N,
-`lengths=512` (or 1024) one setting, `lrs=1+2` the learning rates of those indices (0-3),
-`epochs=N` a cosine over N epochs instead of 60 (stepped per epoch, as the recipe), and
-`mixers=a+b` those mixers. The points that share a model (learning rates x seeds) train together as one vmapped
-program on one device (`palimpsa_jax.training.replicas`). No argument: a small CPU grid
-(Palimpsa-D and Gated DeltaNet x 2 learning rates x 2 seeds of the CPU job, 150 steps each).
+point up to 60 epochs with early stop. Options, to run part of it: `seeds=N` keeps seeds 1..N
+and `seeds=A-B` seeds A..B (to add seeds to a run), `lengths=512` (or 1024) one setting,
+`lrs=1+2` the learning rates of those indices (0-3), `epochs=N` a cosine over N epochs instead
+of 60 (stepped per epoch, as the recipe), and `mixers=a+b` those mixers. The points that share a
+model (learning rates x seeds) train together as one vmapped program on one device
+(`palimpsa_jax.training.replicas`). No argument: a small CPU grid (Palimpsa-D and Gated DeltaNet
+x 2 learning rates x 2 seeds of the CPU job, 150 steps each).
 `--config.<key>=<value>` overrides a key in every point; `get_config(arg)` is the first point.
 """
 from palimpsa_jax.experiments.mqar import common
@@ -33,6 +34,15 @@ def _options(arg: str) -> dict[str, str]:
     return options
 
 
+def _seeds(option: str, arg: str) -> tuple[int, ...]:
+    """"3" -> seeds 1..3 of the paper's; "2-3" -> seeds 2..3."""
+    first, _, last = option.rpartition("-")
+    if not (last.isdigit() and (first.isdigit() or not first)):
+        raise ValueError(f"config argument {arg!r}: seeds must be N or A-B, got {option!r}")
+    first = int(first or 1)
+    return tuple(s for s in common.PAPER_SEEDS if first <= s <= int(last))
+
+
 def get_sweep(arg=None):
     if arg in (None, ""):
         points = []
@@ -50,7 +60,7 @@ def get_sweep(arg=None):
     options = _options(arg)
     settings = [s for s in common.PAPER_SETTINGS
                 if int(options.get("lengths", s[0])) == s[0]]
-    seeds = common.PAPER_SEEDS[:int(options.get("seeds", len(common.PAPER_SEEDS)))]
+    seeds = _seeds(options.get("seeds", str(len(common.PAPER_SEEDS))), arg)
     lrs = [common.PAPER_LRS[int(i)] for i in options.get("lrs", "0+1+2+3").split("+")]
     mixers = options.get("mixers", "+".join(common.MIXERS)).split("+")
     epochs = int(options.get("epochs", common.PAPER_EPOCHS))
