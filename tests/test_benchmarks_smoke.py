@@ -241,3 +241,22 @@ def test_kernel_speed_checks_and_times_the_gated_delta_rule():
     errors = [float(x) for x in checks[0].split(" | ")[2:-2] if x != "—"]
     assert len(errors) == 6 and max(errors) < 1e-5   # o, dq, dk, dv, dlog_alpha, dwrite_strength
     assert "gated_delta backend pallas_gpu does not run here" in result.stdout
+
+
+@pytest.mark.smoke
+def test_mqar_sweep_speed_times_the_bare_step_and_the_replica_programs():
+    """`benchmarks.mqar_sweep_speed` on a tiny MQAR setting: a row per mixer with the bare step
+    and the 1- and 4-replica programs timed, and each ratio the quotient of its two times."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mqar_sweep_speed", "--mixers", "mamba2", "--seq-len",
+         "32", "--pairs", "4", "--batch", "8", "--num-train", "64", "--steps", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()
+            if line.startswith("| mamba2")]
+    assert len(rows) == 1
+    bare, one, one_ratio, four, four_ratio = map(float, rows[0][1:])
+    assert min(bare, one, four) > 0
+    assert one_ratio == pytest.approx(one / bare, abs=0.01)
+    assert four_ratio == pytest.approx(four / one, abs=0.01)
