@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -158,6 +159,21 @@ def test_two_replicas_together_equal_each_alone(tmp_path):
     assert_own_checkpoints(tmp_path, "cd", finals)
 
 
+def test_each_pass_draws_its_order_once_from_the_seed():
+    """The order a replica's batches come in: pass p is the permutation of fold_in(seed, p),
+    drawn at the pass's first step and kept in the state for the pass's other steps (3 passes
+    of 8 batches, 2 replicas)."""
+    group = replicas.ReplicaGroup([tiny(0, 1e-2), tiny(5, 1e-2)])
+    assert group.batches_per_pass == 8
+    state = group.init_state()
+    for step in range(20):
+        state, _ = group.train_step(state)
+        for r, seed in enumerate((0, 5)):
+            key = jax.random.fold_in(jax.random.key(seed), step // 8)
+            np.testing.assert_array_equal(state["order"][r], jax.random.permutation(key, 64))
+    assert not np.array_equal(state["order"][0], state["order"][1])
+
+
 def test_an_interrupted_group_resumes(tmp_path):
     points = [tiny(0, 1e-2), tiny(1, 1e-2)]
     dirs = [tmp_path / "a", tmp_path / "b"]
@@ -205,6 +221,12 @@ def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
     assert mqar_curves.figure([tmp_path], tmp_path / "figure.png") == (
         "\n## Best learning rate" + best.replace("accuracy.png", "figure.png"))
     assert (tmp_path / "figure.png").stat().st_size > 0
+    # ... and so does the figure drawn from results.csv alone (the run folders gone)
+    assert mqar_curves.figure([], tmp_path / "figure.png", [tmp_path / "results.csv"]) == (
+        "\n## Best learning rate" + best.replace("accuracy.png", "figure.png"))
+    for bad in ([str(tmp_path)], ["--results", str(tmp_path / "results.csv")], []):
+        with pytest.raises(SystemExit):
+            mqar_curves.main(bad)
     mqar_curves.main([str(tmp_path), "--out", str(tmp_path / "curves.png")])
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert grid.run_grid(points, tmp_path) == rows           # everything finished: skipped
