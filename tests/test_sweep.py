@@ -159,19 +159,19 @@ def test_two_replicas_together_equal_each_alone(tmp_path):
     assert_own_checkpoints(tmp_path, "cd", finals)
 
 
-def test_each_pass_draws_its_order_once_from_the_seed():
-    """The order a replica's batches come in: pass p is the permutation of fold_in(seed, p),
-    drawn at the pass's first step and kept in the state for the pass's other steps (3 passes
-    of 8 batches, 2 replicas)."""
+def test_each_pass_is_a_permutation_drawn_from_the_seed():
+    """The order a replica's batches come in: step s takes batch s mod P of pass s // P, and pass
+    p is the permutation of fold_in(seed, p) (3 passes of P = 8 batches, 2 seeds)."""
     group = replicas.ReplicaGroup([tiny(0, 1e-2), tiny(5, 1e-2)])
     assert group.batches_per_pass == 8
-    state = group.init_state()
-    for step in range(20):
-        state, _ = group.train_step(state)
-        for r, seed in enumerate((0, 5)):
-            key = jax.random.fold_in(jax.random.key(seed), step // 8)
-            np.testing.assert_array_equal(state["order"][r], jax.random.permutation(key, 64))
-    assert not np.array_equal(state["order"][0], state["order"][1])
+    tokens, labels = group.train_data
+    for seed in (0, 5):
+        for step in (0, 7, 8, 13, 16, 23):
+            order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step // 8), 64)
+            index = order[step % 8 * 8:(step % 8 + 1) * 8]
+            batch = group._batch(seed, step)
+            np.testing.assert_array_equal(batch["tokens"], tokens[index])
+            np.testing.assert_array_equal(batch["labels"], labels[index])
 
 
 def test_an_interrupted_group_resumes(tmp_path):

@@ -174,27 +174,20 @@ class ReplicaGroup:
 
     def _init_state(self) -> dict:
         """Stacked replica states (leading axis R), the step and per-replica bookkeeping:
-        done (R,) bool, the replica's stop step (R,) int32 (0 while it runs), and each replica's
-        order of the training examples in the current pass (R, N) int32."""
+        done (R,) bool, the replica's stop step (R,) int32 (0 while it runs)."""
         state = jax.vmap(self._init_one)(self.seeds)
         return {**state, "step": jnp.zeros((), jnp.int32), "done": jnp.zeros(self.num, bool),
-                "stopped_at": jnp.zeros(self.num, jnp.int32), "order": self._orders(0)}
+                "stopped_at": jnp.zeros(self.num, jnp.int32)}
 
     # --- steps ----------------------------------------------------------------------------
 
-    def _orders(self, pass_):
-        """Every replica's order of the training examples in pass `pass_` (R, N): a
-        permutation drawn from the replica's seed and the pass."""
-        def order(seed):
-            key = jax.random.fold_in(jax.random.key(seed), pass_)
-            return jax.random.permutation(key, self.train_data[0].shape[0])
-        return jax.vmap(order)(self.seeds)
-
-    def _batch(self, order, step):
-        """The replica's batch at `step` (0-based) of its pass's `order` (N,), gathered on the
-        device."""
+    def _batch(self, seed, step):
+        """The replica's batch at `step` (0-based), gathered on the device."""
         size = self.config.batch_size
-        index = jax.lax.dynamic_slice_in_dim(order, step % self.batches_per_pass * size, size)
+        pass_, position = step // self.batches_per_pass, step % self.batches_per_pass
+        key = jax.random.fold_in(jax.random.key(seed), pass_)
+        order = jax.random.permutation(key, self.train_data[0].shape[0])
+        index = jax.lax.dynamic_slice_in_dim(order, position * size, size)
         return {"tokens": self.train_data[0][index], "labels": self.train_data[1][index]}
 
     def _loss(self, params, constants, batch):
@@ -203,8 +196,8 @@ class ReplicaGroup:
         count = jnp.maximum(count, 1).astype(jnp.float32)
         return total / count, correct / count
 
-    def _train_one(self, replica, order, lr, done, step):
-        batch = self._batch(order, step)
+    def _train_one(self, replica, seed, lr, done, step):
+        batch = self._batch(seed, step)
         (loss, accuracy), grads = jax.value_and_grad(self._loss, has_aux=True)(
             replica["params"], replica["constants"], batch)
         updates, opt_state = self.tx.update(grads, replica["opt_state"], replica["params"])
@@ -216,16 +209,11 @@ class ReplicaGroup:
                      "learning_rate": lr * self.schedule(step)}
 
     def _train_step(self, state: dict) -> tuple[dict, dict]:
-        """One step of every replica; metrics (R,) each. The examples' order is drawn once per
-        pass, at its first step (a permutation of N examples costs more than a small step)."""
-        step = state["step"]
-        order = jax.lax.cond(step % self.batches_per_pass == 0,
-                             lambda: self._orders(step // self.batches_per_pass),
-                             lambda: state["order"])
+        """One step of every replica; metrics (R,) each."""
         replicas = {k: state[k] for k in ("params", "constants", "opt_state")}
         replicas, step_metrics = jax.vmap(self._train_one, in_axes=(0, 0, 0, 0, None))(
-            replicas, order, self.lrs, state["done"], step)
-        return {**state, **replicas, "order": order, "step": step + 1}, step_metrics
+            replicas, self.seeds, self.lrs, state["done"], state["step"])
+        return {**state, **replicas, "step": state["step"] + 1}, step_metrics
 
     def _eval_step(self, state: dict, tokens, labels):
         """(loss sum, correct, count) per replica (R,) on one batch of test examples."""
