@@ -1,12 +1,16 @@
 """Test accuracy against training step for every point of MQAR sweep workdirs (their
 metrics.jsonl), one panel per learning rate, a line per mixer; with --figure also the paper's
 figure over all the workdirs (final test accuracy against sequence length, each mixer at its
-best learning rate, bars min-max over seeds) and its table, printed as Markdown.
+best learning rate, bars min-max over seeds) and its table, printed as Markdown. `--results`
+adds finished points from `results.csv` files (a sweep's, or `benchmarks/mqar_points.csv`, the
+record of every point run on the H200) to the figure: it can be drawn without the run folders.
 
     python -m benchmarks.mqar_curves runs/m512/* --out benchmarks/mqar_512_curves.png
     python -m benchmarks.mqar_curves runs/m512/* runs/m1024/* --out curves.png --figure fig.png
+    python -m benchmarks.mqar_curves --results benchmarks/mqar_points.csv --figure fig.png
 """
 import argparse
+import csv
 import json
 import pathlib
 import re
@@ -22,14 +26,15 @@ from palimpsa_jax.training import grid
 
 
 def curves(workdirs):
-    """{lr: {mixer: [(step, accuracy), ...]}} from every <workdir>/<point>/metrics.jsonl."""
+    """{lr: {(workdir name, seed): [(step, accuracy), ...]}} from every
+    <workdir>/<point>/metrics.jsonl (a workdir is one mixer's, as in the commands above)."""
     found = {}
     for workdir in map(pathlib.Path, workdirs):
         for metrics in sorted(workdir.glob("*/metrics.jsonl")):
             config = json.loads((metrics.parent / "config.json").read_text())
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
             points = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-            found.setdefault(config["optim"]["lr"], {})[workdir.name] = points
+            found.setdefault(config["optim"]["lr"], {})[workdir.name, config["seed"]] = points
     return found
 
 
@@ -49,9 +54,25 @@ def final_rows(workdirs) -> list[dict]:
     return rows
 
 
-def figure(workdirs, path: pathlib.Path) -> str:
-    """Writes the paper's figure to `path`; returns its table (Markdown)."""
-    rows = final_rows(workdirs)
+def csv_rows(paths) -> list[dict]:
+    """The rows of `results.csv` files as `final_rows` gives them: mixer, learning rate, seed
+    and the accuracy per MQAR slice (other columns, e.g. a run's session, are left out)."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                accuracy = {k: float(v) for k, v in row.items()
+                            if re.fullmatch(r"eval/seq\d+_pairs\d+/accuracy", k) and v}
+                rows.append({mqar_report.MIXER: row[mqar_report.MIXER],
+                             mqar_report.LR: float(row[mqar_report.LR]),
+                             mqar_report.SEED: int(row[mqar_report.SEED]), **accuracy})
+    return rows
+
+
+def figure(workdirs, path: pathlib.Path, results=()) -> str:
+    """Writes the paper's figure over the workdirs' points and the rows of the `results` CSV
+    files to `path`; returns its table (Markdown)."""
+    rows = final_rows(workdirs) + csv_rows(results)
     slices = sorted({k.split("/")[1] for row in rows for k in row if k.startswith("eval/")},
                     key=mqar_report.slice_order)
     return mqar_report.report(rows, slices, pathlib.Path(path))
@@ -59,25 +80,44 @@ def figure(workdirs, path: pathlib.Path) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workdirs", nargs="+")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("workdirs", nargs="*")
+    parser.add_argument("--out", help="the curves of the workdirs' points (PNG)")
     parser.add_argument("--figure", help="also write the paper's figure here (PNG)")
+    parser.add_argument("--results", nargs="+", default=[],
+                        help="results.csv files whose points join the figure")
     args = parser.parse_args(argv)
-    found = curves(args.workdirs)
-    mixers = sorted({mixer for by_mixer in found.values() for mixer in by_mixer})
+    if bool(args.workdirs) != bool(args.out):
+        parser.error("--out and workdirs go together (the curves are drawn from the workdirs)")
+    if not (args.out or args.figure):
+        parser.error("nothing to draw: give workdirs with --out, or --figure")
+    if args.results and not args.figure:
+        parser.error("--results joins the figure: give --figure")
+    if args.out:
+        draw_curves(args.workdirs, args.out)
+    if args.figure:
+        print(figure(args.workdirs, args.figure, args.results))
+
+
+def draw_curves(workdirs, out: str) -> None:
+    """Test accuracy against step, a panel per learning rate, a line per workdir and seed
+    (colour: workdir, line style: seed)."""
+    found = curves(workdirs)
+    mixers = sorted({mixer for by_run in found.values() for mixer, _ in by_run})
+    seeds = sorted({seed for by_run in found.values() for _, seed in by_run})
     colour = {mixer: f"C{i}" for i, mixer in enumerate(mixers)}     # the same in every panel
+    style = dict(zip(seeds, ["-", "--", ":", "-."] * len(seeds)))   # one per seed
     fig, axes = plt.subplots(1, len(found), figsize=(5 * len(found), 3.6), squeeze=False)
-    for ax, (lr, by_mixer) in zip(axes[0], sorted(found.items())):
-        for mixer, points in sorted(by_mixer.items()):
-            ax.plot(*zip(*points), marker=".", label=mixer, color=colour[mixer])
+    for ax, (lr, by_run) in zip(axes[0], sorted(found.items())):
+        for (mixer, seed), points in sorted(by_run.items()):
+            label = mixer if len(seeds) == 1 else f"{mixer} seed {seed}"
+            ax.plot(*zip(*points), marker=".", label=label, color=colour[mixer],
+                    linestyle=style[seed])
         ax.set(title=f"lr {lr:.3g}", xlabel="training step", ylabel="test accuracy", ylim=(0, 1))
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-    if args.figure:
-        print(figure(args.workdirs, args.figure))
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
