@@ -1,6 +1,6 @@
 """Test accuracy against training step for every point of MQAR sweep workdirs (their
-metrics.jsonl), one panel per learning rate, a line per mixer; with --figure also the paper's
-figure over all the workdirs (final test accuracy against sequence length, each mixer at its
+metrics.jsonl), one panel per learning rate, a line per workdir and seed; with --figure also
+the paper's figure over all the workdirs (final test accuracy against sequence length, each mixer at its
 best learning rate, bars min-max over seeds) and its table, printed as Markdown. `--results`
 adds finished points from `results.csv` files (a sweep's, or `benchmarks/mqar_points.csv`, the
 record of every point run on the H200) to the figure: it can be drawn without the run folders.
