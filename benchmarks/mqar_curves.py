@@ -13,7 +13,6 @@ import argparse
 import csv
 import json
 import pathlib
-import re
 
 import matplotlib
 import ml_collections
@@ -23,6 +22,13 @@ import matplotlib.pyplot as plt
 
 from palimpsa_jax.evaluation import mqar_report
 from palimpsa_jax.training import grid
+
+
+def is_slice_accuracy(key: str) -> bool:
+    """Whether a metric is the test accuracy of one MQAR slice: eval/seq<L>_pairs<P>/accuracy."""
+    parts = key.split("/")
+    return (len(parts) == 3 and parts[0] == "eval" and parts[2] == "accuracy"
+            and mqar_report.SLICE.fullmatch(parts[1]) is not None)
 
 
 def curves(workdirs):
@@ -47,7 +53,7 @@ def final_rows(workdirs) -> list[dict]:
             config = ml_collections.ConfigDict(
                 json.loads((final.parent / "config.json").read_text()))
             accuracy = {k: v for k, v in json.loads(final.read_text()).items()
-                        if re.fullmatch(r"eval/seq\d+_pairs\d+/accuracy", k)}
+                        if is_slice_accuracy(k)}
             rows.append({mqar_report.MIXER: grid.mixer_label(config),
                          mqar_report.LR: config.optim.lr, mqar_report.SEED: config.seed,
                          **accuracy})
@@ -62,7 +68,7 @@ def csv_rows(paths) -> list[dict]:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 accuracy = {k: float(v) for k, v in row.items()
-                            if re.fullmatch(r"eval/seq\d+_pairs\d+/accuracy", k) and v}
+                            if is_slice_accuracy(k) and v}
                 rows.append({mqar_report.MIXER: row[mqar_report.MIXER],
                              mqar_report.LR: float(row[mqar_report.LR]),
                              mqar_report.SEED: int(row[mqar_report.SEED]), **accuracy})

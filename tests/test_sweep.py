@@ -93,7 +93,7 @@ def test_paper_grid_options_and_errors():
     later = mqar_sweep.get_sweep("paper,seeds=2-3,lengths=1024,lrs=1,mixers=palimpsa_d")
     assert [p.seed for p in later] == [2, 3]
     for bad in ("paper,seed=1", "paper,mixers=lstm", "paper,lengths=2048", "paper,seeds=3-2",
-                "paper,seeds=two", "paper,seeds=9-12"):
+                "paper,seeds=two", "paper,seeds=9-12", "paper,seeds=-3"):
         with pytest.raises(ValueError, match="config argument"):
             mqar_sweep.get_sweep(bad)
 

@@ -36,8 +36,8 @@ def _options(arg: str) -> dict[str, str]:
 
 def _seeds(option: str, arg: str) -> tuple[int, ...]:
     """"3" -> seeds 1..3 of the paper's; "2-3" -> seeds 2..3."""
-    first, _, last = option.rpartition("-")
-    if not (last.isdigit() and (first.isdigit() or not first)):
+    first, dash, last = option.rpartition("-")
+    if not (last.isdigit() and (first.isdigit() or not dash)):
         raise ValueError(f"config argument {arg!r}: seeds must be N or A-B, got {option!r}")
     first = int(first or 1)
     return tuple(s for s in common.PAPER_SEEDS if first <= s <= int(last))
