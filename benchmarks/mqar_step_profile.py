@@ -36,19 +36,29 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def top_ops(trace_dir: pathlib.Path, count: int) -> list[tuple[str, float]]:
-    """(name, total ms) of the longest device events of the Perfetto trace under trace_dir."""
+def device_events(trace_dir: pathlib.Path) -> list[tuple[str, float]]:
+    """(name, ms) of every device event of the Perfetto trace under trace_dir."""
     (path,) = sorted(trace_dir.rglob("perfetto_trace.json.gz"))[-1:]
     events = json.loads(gzip.open(path).read())
     events = events["traceEvents"] if isinstance(events, dict) else events
     pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and "/device:" in e.get("args", {}).get("name", "")}
     pids = pids or {e.get("pid") for e in events}      # no device processes (CPU): every event
+    return [(e["name"], e.get("dur", 0) / 1e3) for e in events
+            if e.get("ph") == "X" and e.get("pid") in pids]
+
+
+def device_ms(trace_dir: pathlib.Path) -> collections.Counter:
+    """Total ms of each device event name of the Perfetto trace under trace_dir."""
     totals = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in pids:
-            totals[e["name"]] += e.get("dur", 0) / 1e3
-    return totals.most_common(count)
+    for name, ms in device_events(trace_dir):
+        totals[name] += ms
+    return totals
+
+
+def top_ops(trace_dir: pathlib.Path, count: int) -> list[tuple[str, float]]:
+    """(name, total ms) of the longest device events of the Perfetto trace under trace_dir."""
+    return device_ms(trace_dir).most_common(count)
 
 
 def main(argv=None):

@@ -5,34 +5,47 @@ authors' recipe in experiments/mqar/common.py) it times, as the median of repeat
 compilation:
 - bare: the trainer's compiled train step (`Trainer.train_step`) on a batch already on the
   device;
+- bare 4B: the same step at four times the batch, the work of four replicas in one model
+  (its ratio to bare is what stacking four replicas can at best cost, whatever the runner does);
 - replicas x1, x4: one step of the vmapped replica program (`training.replicas.ReplicaGroup`)
   with 1 and 4 replicas (4 learning rates), data gathered on the device inside the step.
-Targets (issue 12): x1 <= 1.1 bare; x4 <= 2.5 x1. Prints a Markdown table.
+Targets (issue 12): x1 <= 1.1 bare; x4 <= 2.5 x1. Prints a Markdown table. With --trace-dir,
+also the device time of 3 profiled steps of bare and x1 (JAX profiler) and the operations whose
+time differs most between them (where a replica's step spends its extra time).
 
     python -m benchmarks.mqar_sweep_speed --mixers palimpsa_d gated_deltanet --steps 20
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import pathlib
 import platform
+import re
 import statistics
 import time
 
 import jax
 import numpy as np
 
+from benchmarks.mqar_step_profile import device_events
 from palimpsa_jax import sharding
 from palimpsa_jax.experiments.mqar import common
 from palimpsa_jax.training import Trainer, replicas
 
 
-def median_seconds(step, repeats: int) -> float:
+def median_seconds(step, repeats: int, trace_dir: pathlib.Path | None = None) -> float:
+    """Median seconds of `step` after a first run; then 3 steps profiled into trace_dir."""
     jax.block_until_ready(step())            # compilation and a first run
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(step())
         times.append(time.perf_counter() - start)
+    if trace_dir is not None:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(step())
     return statistics.median(times)
 
 
@@ -45,43 +58,83 @@ def main(argv=None):
     parser.add_argument("--num-train", type=int, default=4096,
                         help="examples materialised (the speed does not depend on it)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    parser.add_argument("--trace-dir", type=pathlib.Path,
+                        help="profile 3 steps of bare and x1 here and compare their device time")
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
     print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}, python "
           f"{platform.python_version()}; MQAR {args.seq_len} tokens / {args.pairs} pairs, batch "
           f"{args.batch}, bf16 compute; median of {args.steps} steps\n")
-    print("| mixer | bare step ms | replicas x1 ms | x1 / bare | replicas x4 ms | x4 / x1 |")
-    print("|---|---|---|---|---|---|")
+    print("| mixer | bare step ms | bare 4B ms | 4B / bare | replicas x1 ms | x1 / bare | "
+          "replicas x4 ms | x4 / x1 |")
+    print("|---|---|---|---|---|---|---|---|")
     for mixer in args.mixers:
-        bare, one, four = time_mixer(mixer, args)
-        print(f"| {mixer} | {1e3 * bare:.2f} | {1e3 * one:.2f} | {one / bare:.2f} | "
-              f"{1e3 * four:.2f} | {four / one:.2f} |", flush=True)
+        bare, bare4, one, four = time_mixer(mixer, args)
+        print(f"| {mixer} | {1e3 * bare:.2f} | {1e3 * bare4:.2f} | {bare4 / bare:.2f} | "
+              f"{1e3 * one:.2f} | {one / bare:.2f} | {1e3 * four:.2f} | {four / one:.2f} |",
+              flush=True)
+    if args.trace_dir:
+        for mixer in args.mixers:
+            compare_traces(args.trace_dir / mixer)
 
 
-def time_mixer(mixer: str, args) -> tuple[float, float, float]:
-    """Median seconds of the bare step and of the replica step with 1 and 4 replicas."""
+def compare_traces(trace_dir: pathlib.Path, count: int = 15) -> None:
+    """Device ms and events per step of the profiled bare and x1 steps (3 each), and the kinds
+    of operation (event names without their numeric suffix) whose time differs most."""
+    kinds = {}
+    for name in ("bare", "x1"):
+        events = device_events(trace_dir / name)
+        kinds[name] = collections.Counter()
+        for event, ms in events:
+            kinds[name][re.sub(r"[._\d]+$", "", event)] += ms / 3
+        print(f"\n{trace_dir.name} {name}: {sum(ms for _, ms in events) / 3:.3f} device ms and "
+              f"{len(events) / 3:.0f} device events per step")
+    bare, one = kinds["bare"], kinds["x1"]
+    print("largest differences (x1 - bare, device ms per step):")
+    for kind in sorted(set(bare) | set(one), key=lambda k: -abs(one[k] - bare[k]))[:count]:
+        print(f"  {one[kind] - bare[kind]:+8.3f}  bare {bare[kind]:7.3f}  x1 {one[kind]:7.3f}  "
+              f"{kind[:90]}")
+
+
+def time_mixer(mixer: str, args) -> tuple[float, float, float, float]:
+    """Median seconds of the bare step at the batch and at 4x it, and of the replica step with
+    1 and 4 replicas."""
     points = [common.paper(mixer, args.seq_len, args.pairs, args.batch, lr, seed=1)
               for lr in common.PAPER_LRS]
     for p in points:
         p.data.num_train = args.num_train
         p.data.num_test = 8
         p.log.progress = False
-    trainer = Trainer(points[0])
+    trace = (lambda name: args.trace_dir / mixer / name) if args.trace_dir else lambda _: None
+    tokens, labels = replicas.ReplicaGroup(points[:1]).train_data
+    bare = [bare_seconds(points[0], tokens, labels, args.batch * times, args.steps,
+                         trace("bare") if times == 1 else None) for times in (1, 4)]
+    return (*bare, replica_seconds(points[:1], args.steps, trace("x1")),
+            replica_seconds(points, args.steps))
+
+
+def bare_seconds(config, tokens, labels, batch_size: int, repeats: int,
+                 trace_dir: pathlib.Path | None) -> float:
+    """Median seconds of the trainer's step at batch_size on a batch already on the device."""
+    if batch_size > len(tokens):
+        raise ValueError(f"--num-train ({len(tokens)}) must be at least 4 x --batch "
+                         f"({batch_size})")
+    config = config.copy_and_resolve_references()
+    config.batch_size = batch_size
+    trainer = Trainer(config)
     with sharding.use_mesh(trainer.mesh, trainer.rules):
-        tokens, labels = replicas.ReplicaGroup(points[:1]).train_data
-        batch = trainer.global_batch({"tokens": np.asarray(tokens[:args.batch]),
-                                      "labels": np.asarray(labels[:args.batch])})
+        batch = trainer.global_batch({"tokens": np.asarray(tokens[:batch_size]),
+                                      "labels": np.asarray(labels[:batch_size])})
         holder = {"state": trainer.init_state()}
 
-        def bare():
+        def step():
             holder["state"], out = trainer.train_step(holder["state"], batch)
             return out
-        bare_s = median_seconds(bare, args.steps)
-    return bare_s, *(replica_seconds(points[:count], args.steps) for count in (1, 4))
+        return median_seconds(step, repeats, trace_dir)
 
 
-def replica_seconds(points, repeats: int) -> float:
+def replica_seconds(points, repeats: int, trace_dir: pathlib.Path | None = None) -> float:
     """Median seconds of one step of the points trained as replicas."""
     group = replicas.ReplicaGroup(points)
     holder = {"state": group.init_state()}
@@ -89,7 +142,7 @@ def replica_seconds(points, repeats: int) -> float:
     def step():
         holder["state"], out = group.train_step(holder["state"])
         return out
-    return median_seconds(step, repeats)
+    return median_seconds(step, repeats, trace_dir)
 
 if __name__ == "__main__":
     main()

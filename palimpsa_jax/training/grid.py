@@ -183,10 +183,11 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
     """Trains the unfinished points in workdir/<name> and returns summarize(workdir); the
     results files are rewritten after every point (or group of replicas).
 
-    MQAR points that differ only in seed and learning rate train together as replicas
-    (`replicas.group_points`), one vmapped program per group on one device, with the data set
-    materialised once in workdir/data. Other points, MQAR points alone in their group included,
-    train one after another with `train_and_evaluate`.
+    MQAR points train as replicas (`replicas.group_points`): those that differ only in seed and
+    learning rate together, one vmapped program per group on one device, with the data set
+    materialised once in workdir/data; a point alone in its group is a group of one, so a
+    point's result does not depend on the grid it is run in. Other points train one after
+    another with `train_and_evaluate`.
     """
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
@@ -200,9 +201,7 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
             todo.append(i)
     mqar = [i for i in todo if points[i].data.kind == "mqar"]
     groups = [[mqar[g] for g in group] for group in replicas.group_points([points[i] for i in mqar])]
-    together = [group for group in groups if len(group) > 1]
-    grouped = {i for group in together for i in group}
-    for members in together:
+    for members in groups:
         key = json.dumps([names[i] for i in members]).encode()
         group_dir = workdir / "groups" / hashlib.sha256(key).hexdigest()[:12]
         print(f"training {len(members)} replica(s) together: {', '.join(names[i] for i in members)}")
@@ -214,7 +213,7 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
                                                if k in final))
         if lead:
             summarize(workdir)
-    for i in (i for i in todo if i not in grouped):
+    for i in (i for i in todo if i not in mqar):
         run_dir = workdir / names[i]
         resume = _has_checkpoint(run_dir)
         print(f"[{i + 1}/{len(points)}] {names[i]}: {'resuming' if resume else 'training'}")
