@@ -198,7 +198,7 @@ def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
     names = grid.point_names(points)
     assert names == ["lr=0.003,seed=0", "lr=0.003,seed=1", "lr=0.01,seed=0", "lr=0.01,seed=1"]
     rows = grid.run_grid(points, tmp_path)
-    assert "training 4 replica(s) together" in capsys.readouterr().out
+    assert "training 4 replica(s) as one program" in capsys.readouterr().out
     assert [r["name"] for r in rows] == names
     for name in ("results.csv", "results.md", "accuracy.png", "sweep.json"):
         assert (tmp_path / name).stat().st_size > 0
@@ -232,6 +232,21 @@ def test_mqar_grid_end_to_end_with_seeds(tmp_path, capsys):
     assert grid.run_grid(points, tmp_path) == rows           # everything finished: skipped
     with pytest.raises(ConfigError, match=r"data\.seed"):
         grid.run_grid(grid.apply_overrides(points, {"data.seed": 1}), tmp_path)
+
+
+def test_an_mqar_point_alone_in_its_group_trains_as_a_group_of_one(tmp_path, capsys):
+    """A grid of two MQAR points of different models (batch sizes): each is a group of one
+    replica, and its logged losses and final metrics equal its own `train_group` run, so a
+    point's result does not depend on the grid it is run in."""
+    points = [tiny(0, 1e-2), tiny(1, 3e-3, batch_size=16)]
+    rows = grid.run_grid(points, tmp_path / "grid")
+    out = capsys.readouterr().out
+    names = grid.point_names(points)
+    assert all(f"training 1 replica(s) as one program: {n}" in out for n in names)
+    for point, name, row in zip(points, names, rows):
+        (alone,) = replicas.train_group([point], [tmp_path / name], tmp_path / f"{name}_g")
+        assert losses(tmp_path / "grid" / name) == losses(tmp_path / name)
+        assert row["eval/accuracy"] == alone["eval/accuracy"] and row["step"] == alone["step"]
 
 
 def test_text_grid_runs_point_after_point(tmp_path):

@@ -204,7 +204,8 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
     for members in groups:
         key = json.dumps([names[i] for i in members]).encode()
         group_dir = workdir / "groups" / hashlib.sha256(key).hexdigest()[:12]
-        print(f"training {len(members)} replica(s) together: {', '.join(names[i] for i in members)}")
+        print(f"training {len(members)} replica(s) as one program: "
+              f"{', '.join(names[i] for i in members)}")
         finals = replicas.train_group([points[i] for i in members],
                                       [workdir / names[i] for i in members], group_dir,
                                       cache_dir=workdir / "data", desc=names[members[0]])
