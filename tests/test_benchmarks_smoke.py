@@ -260,3 +260,26 @@ def test_mqar_sweep_speed_times_the_bare_step_and_the_replica_programs():
     assert min(bare, one, four) > 0
     assert one_ratio == pytest.approx(one / bare, abs=0.01)
     assert four_ratio == pytest.approx(four / one, abs=0.01)
+
+
+@pytest.mark.smoke
+def test_mqar_determinism_compares_two_runs_and_two_compilations(tmp_path):
+    """`benchmarks.mqar_determinism` on a tiny setting: the same program twice gives the same
+    parameters on the CPU, and so does a second process compiling it again (compared through
+    --save / --compare); a different learning rate is a nonzero difference."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    tiny = [sys.executable, "-m", "benchmarks.mqar_determinism", "--mixer", "mamba2", "--seq-len",
+            "32", "--pairs", "4", "--batch", "8", "--num-train", "64", "--steps", "3"]
+    saved = tmp_path / "a.npz"
+    outputs = []
+    for extra in (["--save", str(saved)], ["--compare", str(saved)],
+                  ["--compare", str(saved), "--lr", "1e-2"]):
+        result = subprocess.run(tiny + extra, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        outputs.append(result.stdout)
+    differences = [float(line.rsplit(" ", 1)[1]) for out in outputs for line in out.splitlines()
+                   if "largest parameter difference" in line]
+    # run 1 twice; run 2 twice and against run 1; run 3 twice, and against lr 4.64e-3
+    assert differences[:4] == [0.0, 0.0, 0.0, 0.0] and differences[4] > 1e-4
+    assert len(differences) == 5

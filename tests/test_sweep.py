@@ -17,6 +17,7 @@ from palimpsa_jax.analysis.run import run_config
 from palimpsa_jax.commands.evaluate import evaluate
 from palimpsa_jax.data import write_corpus
 from palimpsa_jax.data.mqar import MQARSource
+from palimpsa_jax.evaluation import mqar_report
 from palimpsa_jax.experiments.lm import palimpsa_d as lm_experiment
 from palimpsa_jax.experiments.mqar import common
 from palimpsa_jax.experiments.mqar import sweep as mqar_sweep
@@ -247,6 +248,22 @@ def test_an_mqar_point_alone_in_its_group_trains_as_a_group_of_one(tmp_path, cap
         (alone,) = replicas.train_group([point], [tmp_path / name], tmp_path / f"{name}_g")
         assert losses(tmp_path / "grid" / name) == losses(tmp_path / name)
         assert row["eval/accuracy"] == alone["eval/accuracy"] and row["step"] == alone["step"]
+
+
+def test_best_learning_rate_is_chosen_on_the_seeds_every_rate_has_run():
+    """A rate run on seeds 1-3 (0.9, 0.1, 0.1) against one run on seed 1 alone (0.5): compared
+    on seed 1, the first wins (a lone lucky seed does not beat a mean over three) and is
+    reported over its three seeds; where no seed is common, the means over all seeds decide."""
+    key = "eval/seq16_pairs2/accuracy"
+    rows = [{"mixer": "m", "optim.lr": 1e-3, "seed": s, key: a}
+            for s, a in ((1, 0.9), (2, 0.1), (3, 0.1))]
+    rows.append({"mixer": "m", "optim.lr": 1e-2, "seed": 1, key: 0.5})
+    (best,) = mqar_report.best_learning_rates(rows, ["seq16_pairs2"])
+    assert (best["optim.lr"], best["seeds"], best["min"], best["max"]) == (1e-3, 3, 0.1, 0.9)
+    assert best["mean"] == pytest.approx(1.1 / 3)
+    rows[-1]["seed"] = 4                                     # no seed in common
+    (best,) = mqar_report.best_learning_rates(rows, ["seq16_pairs2"])
+    assert (best["optim.lr"], best["mean"], best["seeds"]) == (1e-2, 0.5, 1)
 
 
 def test_text_grid_runs_point_after_point(tmp_path):

@@ -5,7 +5,10 @@ A row is one finished grid point (as `palimpsa_jax.training.grid.summarize` coll
 varying config columns (`mixer`, `optim.lr`, `seed`, ...) and `eval/<slice>/accuracy` for the
 MQAR slices `seq<T>_pairs<P>` it was evaluated on. Rows that differ only in `seed` are one
 setting; rows that differ only in the learning rate and seed are one variant, whose best
-learning rate is the one with the highest mean accuracy over seeds.
+learning rate is the one with the highest mean accuracy over the seeds that every one of its
+learning rates has run (all seeds of a complete grid; a rate run on more seeds is not compared
+on its extra ones, nor favoured or penalised by them), reported with its mean and min-max over
+all its seeds.
 """
 from __future__ import annotations
 
@@ -48,18 +51,22 @@ def variant(row: dict[str, Any]) -> str:
 
 
 def best_learning_rates(rows: list[dict], slices: list[str]) -> list[dict[str, Any]]:
-    """Per (variant, slice) with results: the learning rate of highest mean accuracy over seeds,
-    with that mean, the min and max over seeds and the number of seeds."""
+    """Per (variant, slice) with results: the learning rate of highest mean accuracy over the
+    seeds every rate has run (over all seeds where no seed is common to the rates), with its
+    mean, min and max over all its seeds and the number of seeds."""
     best = []
     for name in dict.fromkeys(variant(row) for row in rows):
         for s in slices:
             key = f"eval/{s}/accuracy"
-            by_lr: dict[float, list[float]] = {}
+            by_lr: dict[float, dict[Any, float]] = {}
             for row in rows:
                 if variant(row) == name and row.get(key) is not None:
-                    by_lr.setdefault(row[LR], []).append(row[key])
+                    by_lr.setdefault(row[LR], {})[row.get(SEED)] = row[key]
             if by_lr:
-                lr, accuracies = max(by_lr.items(), key=lambda item: statistics.mean(item[1]))
+                common = set.intersection(*(set(seeds) for seeds in by_lr.values()))
+                lr = max(by_lr, key=lambda lr: statistics.mean(
+                    a for seed, a in by_lr[lr].items() if seed in common or not common))
+                accuracies = list(by_lr[lr].values())
                 best.append({"variant": name, "slice": s, LR: lr,
                              "mean": statistics.mean(accuracies), "min": min(accuracies),
                              "max": max(accuracies), "seeds": len(accuracies)})
