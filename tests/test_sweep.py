@@ -248,6 +248,11 @@ def test_an_mqar_point_alone_in_its_group_trains_as_a_group_of_one(tmp_path, cap
         (alone,) = replicas.train_group([point], [tmp_path / name], tmp_path / f"{name}_g")
         assert losses(tmp_path / "grid" / name) == losses(tmp_path / name)
         assert row["eval/accuracy"] == alone["eval/accuracy"] and row["step"] == alone["step"]
+    # a point the replicas cannot train (micro-batches) runs through the trainer's loop
+    (accumulated,) = grid.apply_overrides(points[:1], {"train.grad_accum": 2})
+    (row,) = grid.run_grid([accumulated], tmp_path / "accumulated")
+    assert "replica(s) as one program" not in capsys.readouterr().out
+    assert row["step"] == 6 and (tmp_path / "accumulated" / "point" / "checkpoints").is_dir()
 
 
 def test_best_learning_rate_is_chosen_on_the_seeds_every_rate_has_run():

@@ -183,11 +183,11 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
     """Trains the unfinished points in workdir/<name> and returns summarize(workdir); the
     results files are rewritten after every point (or group of replicas).
 
-    MQAR points train as replicas (`replicas.group_points`): those that differ only in seed and
-    learning rate together, one vmapped program per group on one device, with the data set
-    materialised once in workdir/data; a point alone in its group is a group of one, so a
-    point's result does not depend on the grid it is run in. Other points train one after
-    another with `train_and_evaluate`.
+    MQAR points of full batches (`replicas.trains`) train as replicas (`replicas.group_points`):
+    those that differ only in seed and learning rate together, one vmapped program per group on
+    one device, with the data set materialised once in workdir/data; a point alone in its group
+    is a group of one, so a point's result does not depend on the grid it is run in. Other
+    points train one after another with `train_and_evaluate`.
     """
     workdir = pathlib.Path(workdir)
     lead = jax.process_index() == 0
@@ -199,7 +199,7 @@ def run_grid(points: Sequence[ml_collections.ConfigDict], workdir) -> list[dict[
             print(f"[{i + 1}/{len(points)}] {name}: finished before, skipped")
         else:
             todo.append(i)
-    mqar = [i for i in todo if points[i].data.kind == "mqar"]
+    mqar = [i for i in todo if replicas.trains(points[i])]
     groups = [[mqar[g] for g in group] for group in replicas.group_points([points[i] for i in mqar])]
     for members in groups:
         key = json.dumps([names[i] for i in members]).encode()

@@ -50,6 +50,11 @@ NO_EFFECT = ("log", "checkpoint", "mesh", "sharding")
 
 # --- grouping -------------------------------------------------------------------------------
 
+def trains(point: ml_collections.ConfigDict) -> bool:
+    """Whether replicas train `point`: an MQAR point of full batches (train.grad_accum 1)."""
+    return point.data.kind == "mqar" and point.train.grad_accum == 1
+
+
 def group_points(points: Sequence[ml_collections.ConfigDict]) -> list[list[int]]:
     """Indices of the points, grouped by everything but the seed and the learning rate."""
     groups: dict[str, list[int]] = {}
