@@ -246,7 +246,8 @@ def test_kernel_speed_checks_and_times_the_gated_delta_rule():
 @pytest.mark.smoke
 def test_mqar_sweep_speed_times_the_bare_step_and_the_replica_programs():
     """`benchmarks.mqar_sweep_speed` on a tiny MQAR setting: a row per mixer with the bare step
-    and the 1- and 4-replica programs timed, and each ratio the quotient of its two times."""
+    at the batch and at 4x it and the 1- and 4-replica programs timed, and each ratio the
+    quotient of its two times."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.mqar_sweep_speed", "--mixers", "mamba2", "--seq-len",
@@ -256,8 +257,9 @@ def test_mqar_sweep_speed_times_the_bare_step_and_the_replica_programs():
     rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()
             if line.startswith("| mamba2")]
     assert len(rows) == 1
-    bare, one, one_ratio, four, four_ratio = map(float, rows[0][1:])
-    assert min(bare, one, four) > 0
+    bare, bare4, bare4_ratio, one, one_ratio, four, four_ratio = map(float, rows[0][1:])
+    assert min(bare, bare4, one, four) > 0
+    assert bare4_ratio == pytest.approx(bare4 / bare, abs=0.01)
     assert one_ratio == pytest.approx(one / bare, abs=0.01)
     assert four_ratio == pytest.approx(four / one, abs=0.01)
 
