@@ -24,8 +24,8 @@ from palimpsa_jax.training import replicas
 def trained_params(group: replicas.ReplicaGroup, steps: int) -> dict[str, np.ndarray]:
     """The replica's parameters after `steps` steps from its initialisation, by path."""
     state = group.init_state()
-    for _ in range(steps):
-        state, _ = group.train_step(state)
+    for step in range(steps):
+        state, _ = group.train_step(state, group.pass_orders(step))
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves}
 

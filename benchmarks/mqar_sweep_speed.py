@@ -22,13 +22,11 @@ import collections
 import pathlib
 import platform
 import re
-import statistics
-import time
 
 import jax
 import numpy as np
 
-from benchmarks.mqar_step_profile import device_events
+from benchmarks.mqar_step_profile import device_events, median_ms
 from palimpsa_jax import sharding
 from palimpsa_jax.experiments.mqar import common
 from palimpsa_jax.training import Trainer, replicas
@@ -36,17 +34,12 @@ from palimpsa_jax.training import Trainer, replicas
 
 def median_seconds(step, repeats: int, trace_dir: pathlib.Path | None = None) -> float:
     """Median seconds of `step` after a first run; then 3 steps profiled into trace_dir."""
-    jax.block_until_ready(step())            # compilation and a first run
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - start)
+    seconds = median_ms(step, repeats) / 1e3
     if trace_dir is not None:
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             for _ in range(3):
                 jax.block_until_ready(step())
-    return statistics.median(times)
+    return seconds
 
 
 def main(argv=None):
@@ -137,10 +130,12 @@ def bare_seconds(config, tokens, labels, batch_size: int, repeats: int,
 def replica_seconds(points, repeats: int, trace_dir: pathlib.Path | None = None) -> float:
     """Median seconds of one step of the points trained as replicas."""
     group = replicas.ReplicaGroup(points)
-    holder = {"state": group.init_state()}
+    holder = {"state": group.init_state(), "step": 0}
 
-    def step():
-        holder["state"], out = group.train_step(holder["state"])
+    def step():    # as `train_group`: the pass orders are drawn when a pass begins
+        orders = group.pass_orders(holder["step"])
+        holder["state"], out = group.train_step(holder["state"], orders)
+        holder["step"] += 1
         return out
     return median_seconds(step, repeats, trace_dir)
 

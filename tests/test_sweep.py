@@ -166,13 +166,43 @@ def test_each_pass_is_a_permutation_drawn_from_the_seed():
     group = replicas.ReplicaGroup([tiny(0, 1e-2), tiny(5, 1e-2)])
     assert group.batches_per_pass == 8
     tokens, labels = group.train_data
-    for seed in (0, 5):
+    for r, seed in enumerate((0, 5)):
         for step in (0, 7, 8, 13, 16, 23):
             order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step // 8), 64)
             index = order[step % 8 * 8:(step % 8 + 1) * 8]
-            batch = group._batch(seed, step)
+            batch = group._batch(group.pass_orders(step)[r], step)
             np.testing.assert_array_equal(batch["tokens"], tokens[index])
             np.testing.assert_array_equal(batch["labels"], labels[index])
+
+
+def test_the_loop_trains_each_step_on_its_pass_order(tmp_path):
+    """Over 20 steps (2.5 passes of 8 batches) the losses `train_group` logs are those of steps
+    taken by hand, each on the permutation of fold_in(seed, step // 8) drawn in the test."""
+    points = [tiny(0, 1e-2, **{"train.steps": 20}), tiny(5, 3e-3, **{"train.steps": 20})]
+    replicas.train_group(points, [tmp_path / "a", tmp_path / "b"], tmp_path / "g")
+    group = replicas.ReplicaGroup(points)
+    state, by_hand = group.init_state(), []
+    for step in range(20):
+        orders = np.stack([jax.random.permutation(jax.random.fold_in(jax.random.key(seed),
+                                                                     step // 8), 64)
+                           for seed in (0, 5)])
+        state, step_metrics = group.train_step(state, orders)
+        by_hand.append(np.asarray(step_metrics["loss"]))
+    np.testing.assert_allclose(np.stack([losses(tmp_path / "a"), losses(tmp_path / "b")], 1),
+                               np.stack(by_hand), rtol=1e-6)
+
+
+def test_a_group_of_one_stops_early_and_stays_stopped(tmp_path):
+    """A lone replica (trained unbatched) stops at the first evaluation above its threshold; run
+    again from its checkpoint of that step, it trains no further."""
+    point = tiny(0, 2e-2, **{"train.early_stop_accuracy": 1e-6})
+    (final,) = replicas.train_group([point], [tmp_path / "a"], tmp_path / "g")
+    assert final["step"] == 2 and final["train/stopped_early"] == 1.0
+    (tmp_path / "a" / "metrics.json").unlink()
+    (again,) = replicas.train_group([point], [tmp_path / "a"], tmp_path / "g")
+    assert again["step"] == 2 and again["eval/accuracy"] == final["eval/accuracy"]
+    assert len(losses(tmp_path / "a")) == 2
+    assert_own_checkpoints(tmp_path, "a", [again])
 
 
 def test_an_interrupted_group_resumes(tmp_path):

@@ -64,8 +64,8 @@ def best_learning_rates(rows: list[dict], slices: list[str]) -> list[dict[str, A
                     by_lr.setdefault(row[LR], {})[row.get(SEED)] = row[key]
             if by_lr:
                 common = set.intersection(*(set(seeds) for seeds in by_lr.values()))
-                lr = max(by_lr, key=lambda lr: statistics.mean(
-                    a for seed, a in by_lr[lr].items() if seed in common or not common))
+                lr = max(by_lr, key=lambda rate: statistics.mean(
+                    a for seed, a in by_lr[rate].items() if seed in common or not common))
                 accuracies = list(by_lr[lr].values())
                 best.append({"variant": name, "slice": s, LR: lr,
                              "mean": statistics.mean(accuracies), "min": min(accuracies),

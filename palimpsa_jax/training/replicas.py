@@ -7,7 +7,9 @@ processes, cached in the grid's workdir), lives on the device, and every step ga
 there; the R replicas' parameters and optimiser states are stacked and trained by one
 `jax.vmap`ped step, each with its own learning rate, seed (parameters and data order) and early
 stop (a finished replica's parameters stop changing). The result of a replica does not depend
-on the others it trains with (tested: two replicas together equal each alone).
+on the others it trains with (tested: two replicas together equal each alone). A group of one
+trains unbatched: the replica axis of `jax.vmap` turns the gathers of the tied embedding and of
+the loss into batched gathers, which cost a small model's step about 10% in transposes on a GPU.
 
 Per replica, as a plain run: <point>/config.json, metrics.jsonl, tensorboard/, and at the end
 metrics.json and checkpoints/<its last step> (its parameters, read by `analysis.load_run`,
@@ -16,7 +18,8 @@ state), so an interrupted grid resumes from its last checkpoint.
 
 Data order: pass p over the N training examples is the permutation of `fold_in(seed, p)`, cut
 into N // B full batches (the remainder of a pass is left out of that pass); schedules and
-evaluation count steps as the config says.
+evaluation count steps as the config says. The permutations are drawn once per pass
+(`pass_orders`), not in every step.
 """
 from __future__ import annotations
 
@@ -169,6 +172,8 @@ class ReplicaGroup:
         self.init_state = jax.jit(self._init_state)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
+        self._pass_orders = jax.jit(self._orders)
+        self._cached_orders: tuple[int, jax.Array] | None = None
 
     # --- state ----------------------------------------------------------------------------
 
@@ -186,12 +191,24 @@ class ReplicaGroup:
 
     # --- steps ----------------------------------------------------------------------------
 
-    def _batch(self, seed, step):
-        """The replica's batch at `step` (0-based), gathered on the device."""
+    def _orders(self, pass_):
+        """(R, N) int32: each replica's order of the N training examples in pass `pass_`."""
+        num = self.train_data[0].shape[0]
+        return jax.vmap(lambda seed: jax.random.permutation(
+            jax.random.fold_in(jax.random.key(seed), pass_), num))(self.seeds)
+
+    def pass_orders(self, step: int) -> jax.Array:
+        """(R, N): the orders of the pass that `step` (0-based) belongs to, drawn once a pass."""
+        pass_ = step // self.batches_per_pass
+        if self._cached_orders is None or self._cached_orders[0] != pass_:
+            self._cached_orders = (pass_, self._pass_orders(pass_))
+        return self._cached_orders[1]
+
+    def _batch(self, order, step):
+        """The replica's batch at `step` (0-based) of its pass order (N,), gathered on the
+        device."""
         size = self.config.batch_size
-        pass_, position = step // self.batches_per_pass, step % self.batches_per_pass
-        key = jax.random.fold_in(jax.random.key(seed), pass_)
-        order = jax.random.permutation(key, self.train_data[0].shape[0])
+        position = step % self.batches_per_pass
         index = jax.lax.dynamic_slice_in_dim(order, position * size, size)
         return {"tokens": self.train_data[0][index], "labels": self.train_data[1][index]}
 
@@ -201,23 +218,33 @@ class ReplicaGroup:
         count = jnp.maximum(count, 1).astype(jnp.float32)
         return total / count, correct / count
 
-    def _train_one(self, replica, seed, lr, done, step):
-        batch = self._batch(seed, step)
+    def _train_one(self, replica, order, lr, done, step):
+        """One step of one replica; `done` None: it trains on (a group of one stops by leaving
+        the loop), else a done replica keeps its parameters and optimiser state."""
+        batch = self._batch(order, step)
         (loss, accuracy), grads = jax.value_and_grad(self._loss, has_aux=True)(
             replica["params"], replica["constants"], batch)
         updates, opt_state = self.tx.update(grads, replica["opt_state"], replica["params"])
         params = optax.apply_updates(replica["params"], jax.tree.map(lambda u: lr * u, updates))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(done, o, n), new, old)
-        new = {**replica, "params": keep(params, replica["params"]),
-               "opt_state": keep(opt_state, replica["opt_state"])}
+        if done is not None:
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(done, o, n), new, old)
+            params, opt_state = keep(params, replica["params"]), keep(opt_state,
+                                                                      replica["opt_state"])
+        new = {**replica, "params": params, "opt_state": opt_state}
         return new, {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads),
                      "learning_rate": lr * self.schedule(step)}
 
-    def _train_step(self, state: dict) -> tuple[dict, dict]:
-        """One step of every replica; metrics (R,) each."""
+    def _train_step(self, state: dict, orders) -> tuple[dict, dict]:
+        """One step of every replica, its batch taken from its pass order in orders (R, N)
+        (`pass_orders(state["step"])`); metrics (R,) each."""
         replicas = {k: state[k] for k in ("params", "constants", "opt_state")}
-        replicas, step_metrics = jax.vmap(self._train_one, in_axes=(0, 0, 0, 0, None))(
-            replicas, self.seeds, self.lrs, state["done"], state["step"])
+        if self.num == 1:
+            one = jax.tree.map(lambda x: x[0], (replicas, orders, self.lrs))
+            replicas, step_metrics = jax.tree.map(
+                lambda x: x[None], self._train_one(*one, None, state["step"]))
+        else:
+            replicas, step_metrics = jax.vmap(self._train_one, in_axes=(0, 0, 0, 0, None))(
+                replicas, orders, self.lrs, state["done"], state["step"])
         return {**state, **replicas, "step": state["step"] + 1}, step_metrics
 
     def _eval_step(self, state: dict, tokens, labels):
@@ -286,7 +313,9 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
     clock, clock_step = time.perf_counter(), start
     try:
         for step in range(start + 1, steps + 1):
-            state, step_metrics = group.train_step(state)
+            if done.all():       # stopped early (also when resumed at that stop)
+                break
+            state, step_metrics = group.train_step(state, group.pass_orders(step - 1))
             progress.update(1)
             is_last = step == steps
             if _is_due(step, c.log.every_steps, is_last):
@@ -329,8 +358,6 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                 for writer in writers:
                     writer.flush()
                 ckpt.save(step, state, {}, force=True)
-            if done.all():
-                break
     finally:
         progress.close()
         ckpt.close()
