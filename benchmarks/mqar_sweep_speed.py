@@ -9,11 +9,14 @@ compilation:
   (its ratio to bare is what stacking four replicas can at best cost, whatever the runner does);
 - replicas x1, x4: one step of the vmapped replica program (`training.replicas.ReplicaGroup`)
   with 1 and 4 replicas (4 learning rates), data gathered on the device inside the step.
-Targets (issue 12): x1 <= 1.1 bare; x4 <= 2.5 x1. Prints a Markdown table. With --trace-dir,
+Targets (issue 12): x1 <= 1.1 bare; x4 <= 2.5 x1. Prints a Markdown table, with x4 against
+bare 4B (what stacking costs beyond the arithmetic). --programs times some of the four only (each
+compiles once; a ratio is printed where both its programs ran). With --trace-dir,
 also the device time of 3 profiled steps of bare and x1 (JAX profiler) and the operations whose
 time differs most between them (where a replica's step spends its extra time).
 
     python -m benchmarks.mqar_sweep_speed --mixers palimpsa_d gated_deltanet --steps 20
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true python -m benchmarks.mqar_sweep_speed --programs bare x1
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from benchmarks.mqar_step_profile import device_events, median_ms
 from palimpsa_jax import sharding
 from palimpsa_jax.experiments.mqar import common
 from palimpsa_jax.training import Trainer, replicas
+
+PROGRAMS = ("bare", "bare4B", "x1", "x4")
 
 
 def median_seconds(step, repeats: int, trace_dir: pathlib.Path | None = None) -> float:
@@ -51,22 +56,32 @@ def main(argv=None):
     parser.add_argument("--num-train", type=int, default=4096,
                         help="examples materialised (the speed does not depend on it)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS,
+                        help="the programs timed (default all)")
     parser.add_argument("--trace-dir", type=pathlib.Path,
                         help="profile 3 steps of bare and x1 here and compare their device time")
     args = parser.parse_args(argv)
+    if args.trace_dir and not {"bare", "x1"} <= set(args.programs):
+        parser.error("--trace-dir compares bare with x1: --programs must include both")
 
     device = jax.devices()[0]
     print(f"device {device.device_kind} ({device.platform}), jax {jax.__version__}, python "
           f"{platform.python_version()}; MQAR {args.seq_len} tokens / {args.pairs} pairs, batch "
           f"{args.batch}, bf16 compute; median of {args.steps} steps\n")
     print("| mixer | bare step ms | bare 4B ms | 4B / bare | replicas x1 ms | x1 / bare | "
-          "replicas x4 ms | x4 / x1 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "replicas x4 ms | x4 / x1 | x4 / bare 4B |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mixer in args.mixers:
-        bare, bare4, one, four = time_mixer(mixer, args)
-        print(f"| {mixer} | {1e3 * bare:.2f} | {1e3 * bare4:.2f} | {bare4 / bare:.2f} | "
-              f"{1e3 * one:.2f} | {one / bare:.2f} | {1e3 * four:.2f} | {four / one:.2f} |",
-              flush=True)
+        s = time_mixer(mixer, args)
+
+        def ms(name, s=s):
+            return f"{1e3 * s[name]:.2f}" if name in s else "-"
+
+        def ratio(a, b, s=s):
+            return f"{s[a] / s[b]:.2f}" if a in s and b in s else "-"
+        print(f"| {mixer} | {ms('bare')} | {ms('bare4B')} | {ratio('bare4B', 'bare')} | "
+              f"{ms('x1')} | {ratio('x1', 'bare')} | {ms('x4')} | {ratio('x4', 'x1')} | "
+              f"{ratio('x4', 'bare4B')} |", flush=True)
     if args.trace_dir:
         for mixer in args.mixers:
             compare_traces(args.trace_dir / mixer)
@@ -90,9 +105,9 @@ def compare_traces(trace_dir: pathlib.Path, count: int = 15) -> None:
               f"{kind[:90]}")
 
 
-def time_mixer(mixer: str, args) -> tuple[float, float, float, float]:
-    """Median seconds of the bare step at the batch and at 4x it, and of the replica step with
-    1 and 4 replicas."""
+def time_mixer(mixer: str, args) -> dict[str, float]:
+    """Median seconds of each of args.programs: the bare step at the batch (bare) and at 4x it
+    (bare4B), and the replica step with 1 and 4 replicas (x1, x4)."""
     points = [common.paper(mixer, args.seq_len, args.pairs, args.batch, lr, seed=1)
               for lr in common.PAPER_LRS]
     for p in points:
@@ -101,10 +116,15 @@ def time_mixer(mixer: str, args) -> tuple[float, float, float, float]:
         p.log.progress = False
     trace = (lambda name: args.trace_dir / mixer / name) if args.trace_dir else lambda _: None
     tokens, labels = replicas.ReplicaGroup(points[:1]).train_data
-    bare = [bare_seconds(points[0], tokens, labels, args.batch * times, args.steps,
-                         trace("bare") if times == 1 else None) for times in (1, 4)]
-    return (*bare, replica_seconds(points[:1], args.steps, trace("x1")),
-            replica_seconds(points, args.steps))
+    programs = {
+        "bare": lambda: bare_seconds(points[0], tokens, labels, args.batch, args.steps,
+                                     trace("bare")),
+        "bare4B": lambda: bare_seconds(points[0], tokens, labels, 4 * args.batch, args.steps,
+                                       None),
+        "x1": lambda: replica_seconds(points[:1], args.steps, trace("x1")),
+        "x4": lambda: replica_seconds(points, args.steps),
+    }
+    return {name: programs[name]() for name in PROGRAMS if name in args.programs}
 
 
 def bare_seconds(config, tokens, labels, batch_size: int, repeats: int,

@@ -247,21 +247,27 @@ def test_kernel_speed_checks_and_times_the_gated_delta_rule():
 def test_mqar_sweep_speed_times_the_bare_step_and_the_replica_programs():
     """`benchmarks.mqar_sweep_speed` on a tiny MQAR setting: a row per mixer with the bare step
     at the batch and at 4x it and the 1- and 4-replica programs timed, and each ratio the
-    quotient of its two times."""
+    quotient of its two times; with --programs only those are timed, the other cells '-'."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mqar_sweep_speed", "--mixers", "mamba2", "--seq-len",
-         "32", "--pairs", "4", "--batch", "8", "--num-train", "64", "--steps", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()
-            if line.startswith("| mamba2")]
-    assert len(rows) == 1
-    bare, bare4, bare4_ratio, one, one_ratio, four, four_ratio = map(float, rows[0][1:])
+    tiny = [sys.executable, "-m", "benchmarks.mqar_sweep_speed", "--mixers", "mamba2",
+            "--seq-len", "32", "--pairs", "4", "--batch", "8", "--num-train", "64", "--steps", "2"]
+    rows = []
+    for extra in ([], ["--programs", "x1", "bare"]):
+        result = subprocess.run(tiny + extra, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        rows += [line.strip("| ").split(" | ")[1:] for line in result.stdout.splitlines()
+                 if line.startswith("| mamba2")]
+    assert len(rows) == 2
+    bare, bare4, bare4_ratio, one, one_ratio, four, four_ratio, four_bare4 = map(float, rows[0])
     assert min(bare, bare4, one, four) > 0
     assert bare4_ratio == pytest.approx(bare4 / bare, abs=0.01)
     assert one_ratio == pytest.approx(one / bare, abs=0.01)
     assert four_ratio == pytest.approx(four / one, abs=0.01)
+    assert four_bare4 == pytest.approx(four / bare4, abs=0.01)
+    bare, bare4, bare4_ratio, one, one_ratio, four, four_ratio, four_bare4 = rows[1]
+    assert [bare4, bare4_ratio, four, four_ratio, four_bare4] == ["-"] * 5
+    assert float(one_ratio) == pytest.approx(float(one) / float(bare), abs=0.01)
 
 
 @pytest.mark.smoke
@@ -269,7 +275,7 @@ def test_mqar_determinism_compares_two_runs_and_two_compilations(tmp_path):
     """`benchmarks.mqar_determinism` on a tiny setting: the same program twice gives the same
     parameters on the CPU, and so does a second process compiling it again (compared through
     --save / --compare; without the tests' compilation cache, so it does compile again); a
-    different learning rate is a nonzero difference."""
+    different learning rate is a nonzero difference; each process prints its step time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or "CACHE" not in k}
     env["JAX_PLATFORMS"] = "cpu"
     tiny = [sys.executable, "-m", "benchmarks.mqar_determinism", "--mixer", "mamba2", "--seq-len",
@@ -287,3 +293,6 @@ def test_mqar_determinism_compares_two_runs_and_two_compilations(tmp_path):
     # run 1 twice; run 2 twice and against run 1; run 3 twice, and against lr 4.64e-3
     assert differences[:4] == [0.0, 0.0, 0.0, 0.0] and differences[4] > 1e-4
     assert len(differences) == 5
+    step_ms = [float(line.rsplit(" ", 1)[1]) for out in outputs for line in out.splitlines()
+               if line.startswith("second run, compiled: ms per step")]
+    assert len(step_ms) == 3 and all(ms > 0 for ms in step_ms)
