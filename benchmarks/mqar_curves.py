@@ -3,11 +3,13 @@ metrics.jsonl), one panel per learning rate, a line per workdir and seed; with -
 the paper's figure over all the workdirs (final test accuracy against sequence length, each mixer at its
 best learning rate, bars min-max over seeds) and its table, printed as Markdown. `--results`
 adds finished points from `results.csv` files (a sweep's, or `benchmarks/mqar_points.csv`, the
-record of every point run on the H200) to the figure: it can be drawn without the run folders.
+record of every point run on the GPU) to the figure: it can be drawn without the run folders.
+Where the rows carry an `epochs` column (the length of their cosine schedule) and more than one
+value occurs in it, `--epochs N` picks the points of one schedule: one figure never mixes two.
 
     python -m benchmarks.mqar_curves runs/m512/* --out benchmarks/mqar_512_curves.png
     python -m benchmarks.mqar_curves runs/m512/* runs/m1024/* --out curves.png --figure fig.png
-    python -m benchmarks.mqar_curves --results benchmarks/mqar_points.csv --figure fig.png
+    python -m benchmarks.mqar_curves --results benchmarks/mqar_points.csv --epochs 8 --figure fig.png
 """
 import argparse
 import csv
@@ -60,25 +62,38 @@ def final_rows(workdirs) -> list[dict]:
     return rows
 
 
-def csv_rows(paths) -> list[dict]:
+def csv_rows(paths, epochs: int | None = None) -> list[dict]:
     """The rows of `results.csv` files as `final_rows` gives them: mixer, learning rate, seed
-    and the accuracy per MQAR slice (other columns, e.g. a run's session, are left out)."""
-    rows = []
+    and the accuracy per MQAR slice (other columns, e.g. a run's session, are left out). Rows
+    with an `epochs` column: those of `epochs` alone; without it, a ValueError where the rows
+    hold several schedules."""
+    rows, schedules = [], set()
     for path in paths:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
+                schedule = int(row["epochs"]) if row.get("epochs") else None
+                schedules.add(schedule)
+                if epochs is not None and schedule != epochs:
+                    continue
                 accuracy = {k: float(v) for k, v in row.items()
                             if is_slice_accuracy(k) and v}
                 rows.append({mqar_report.MIXER: row[mqar_report.MIXER],
                              mqar_report.LR: float(row[mqar_report.LR]),
                              mqar_report.SEED: int(row[mqar_report.SEED]), **accuracy})
+    if epochs is None and len(schedules) > 1:
+        raise ValueError(f"the results hold points of several schedules (epochs "
+                         f"{sorted(schedules, key=lambda e: e or 0)}): choose one with --epochs")
+    if epochs is not None and epochs not in schedules:
+        raise ValueError(f"--epochs {epochs}: no row of the results has epochs={epochs} "
+                         f"(they have {sorted(schedules, key=lambda e: e or 0)})")
     return rows
 
 
-def figure(workdirs, path: pathlib.Path, results=()) -> str:
+def figure(workdirs, path: pathlib.Path, results=(), epochs: int | None = None) -> str:
     """Writes the paper's figure over the workdirs' points and the rows of the `results` CSV
-    files to `path`; returns its table (Markdown)."""
-    rows = final_rows(workdirs) + csv_rows(results)
+    files (of the schedule of `epochs`, see `csv_rows`) to `path`; returns its table
+    (Markdown)."""
+    rows = final_rows(workdirs) + csv_rows(results, epochs)
     slices = sorted({k.split("/")[1] for row in rows for k in row if k.startswith("eval/")},
                     key=mqar_report.slice_order)
     return mqar_report.report(rows, slices, pathlib.Path(path))
@@ -91,6 +106,8 @@ def main(argv=None):
     parser.add_argument("--figure", help="also write the paper's figure here (PNG)")
     parser.add_argument("--results", nargs="+", default=[],
                         help="results.csv files whose points join the figure")
+    parser.add_argument("--epochs", type=int,
+                        help="the results' rows of this schedule alone (their `epochs` column)")
     args = parser.parse_args(argv)
     if bool(args.workdirs) != bool(args.out):
         parser.error("--out and workdirs go together (the curves are drawn from the workdirs)")
@@ -98,10 +115,15 @@ def main(argv=None):
         parser.error("nothing to draw: give workdirs with --out, or --figure")
     if args.results and not args.figure:
         parser.error("--results joins the figure: give --figure")
+    if args.epochs is not None and not args.results:
+        parser.error("--epochs picks rows of --results: give --results")
     if args.out:
         draw_curves(args.workdirs, args.out)
     if args.figure:
-        print(figure(args.workdirs, args.figure, args.results))
+        try:
+            print(figure(args.workdirs, args.figure, args.results, args.epochs))
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def draw_curves(workdirs, out: str) -> None:

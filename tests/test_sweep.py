@@ -301,6 +301,28 @@ def test_best_learning_rate_is_chosen_on_the_seeds_every_rate_has_run():
     assert (best["optim.lr"], best["mean"], best["seeds"]) == (1e-2, 0.5, 1)
 
 
+def test_the_figure_from_results_never_mixes_two_schedules(tmp_path):
+    """A results CSV with points of an 8- and a 60-epoch cosine (its `epochs` column): the
+    figure of either schedule holds that schedule's points alone, and with no schedule chosen,
+    or one that no row has, it refuses, naming --epochs."""
+    key = "eval/seq512_pairs128/accuracy"
+    results = tmp_path / "points.csv"
+    results.write_text(f"mixer,optim.lr,seed,{key},epochs,session\n"
+                       "mamba2,0.001,1,0.5,8,a\nmamba2,0.001,2,0.7,8,a\nmamba2,0.002,1,0.9,60,b\n")
+    short = mqar_curves.figure([], tmp_path / "f8.png", [results], epochs=8)
+    assert "| mamba2 | seq512_pairs128 | 0.001 | 0.6000 | 0.5000-0.7000 | 2 |" in short
+    full = mqar_curves.figure([], tmp_path / "f60.png", [results], epochs=60)
+    assert "| mamba2 | seq512_pairs128 | 0.002 | 0.9000 | 0.9000-0.9000 | 1 |" in full
+    with pytest.raises(ValueError, match=r"several schedules \(epochs \[8, 60\]\).*--epochs"):
+        mqar_curves.figure([], tmp_path / "f.png", [results])
+    with pytest.raises(ValueError, match="--epochs 7: no row"):
+        mqar_curves.figure([], tmp_path / "f.png", [results], epochs=7)
+    for bad in (["--results", str(results), "--figure", str(tmp_path / "f.png")],
+                ["--epochs", "8", "--figure", str(tmp_path / "f.png")]):
+        with pytest.raises(SystemExit):
+            mqar_curves.main(bad)
+
+
 def test_text_grid_runs_point_after_point(tmp_path):
     rng = np.random.default_rng(0)
     documents = [rng.integers(3, 64, size=rng.integers(3, 30)).tolist() for _ in range(32)]
