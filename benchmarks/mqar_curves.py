@@ -80,12 +80,13 @@ def csv_rows(paths, epochs: int | None = None) -> list[dict]:
                 rows.append({mqar_report.MIXER: row[mqar_report.MIXER],
                              mqar_report.LR: float(row[mqar_report.LR]),
                              mqar_report.SEED: int(row[mqar_report.SEED]), **accuracy})
-    if epochs is None and len(schedules) > 1:
-        raise ValueError(f"the results hold points of several schedules (epochs "
-                         f"{sorted(schedules, key=lambda e: e or 0)}): choose one with --epochs")
+    seen = sorted(schedules, key=lambda e: e or 0)      # None: rows without the column
+    if epochs is None and len(seen) > 1:
+        raise ValueError(f"the results hold points of several schedules (epochs {seen}): "
+                         "choose one with --epochs")
     if epochs is not None and epochs not in schedules:
         raise ValueError(f"--epochs {epochs}: no row of the results has epochs={epochs} "
-                         f"(they have {sorted(schedules, key=lambda e: e or 0)})")
+                         f"(they have {seen})")
     return rows
 
 
