@@ -215,6 +215,9 @@ def test_an_interrupted_group_resumes(tmp_path):
         (d / "metrics.json").unlink()
     resumed = replicas.train_group(points, dirs, tmp_path / "g")
     assert [losses(d) for d in dirs] == expected
+    for d in dirs:      # one line per start: the fresh one, then the resume from step 4
+        starts = [json.loads(s) for s in (d / "environment.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in starts] == [0, 4]
     for a, b in zip(resumed, whole):
         assert a["eval/accuracy"] == b["eval/accuracy"] and a["step"] == b["step"] == 6
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import platform
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,25 @@ def test_run_writes_config_metrics_checkpoints(tiny_run):
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [2, 4, 6]
     assert [r["step"] for r in records(workdir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert np.all(np.isfinite(losses(workdir)))
+
+
+def test_run_records_its_environment(tiny_run):
+    """environment.jsonl: one line for the fresh start, this process's versions and devices."""
+    (line,) = [json.loads(s) for s in (tiny_run[0] / "environment.jsonl").read_text().splitlines()]
+    assert line["step"] == 0
+    assert line["packages"]["jax"] == jax.__version__ and line["packages"]["flax"] == flax.__version__
+    assert line["devices"] == {jax.devices()[0].device_kind: len(jax.devices())}
+    assert line["python"] == platform.python_version() and line["cpu_count"] == os.cpu_count()
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set(next(s for s in cpuinfo.read_text().splitlines()
+                         if s.startswith("flags")).split(":", 1)[1].split())
+        assert line["cpu_isa"] and set(line["cpu_isa"]) <= flags
+        assert ("avx2" in flags) == ("avx2" in line["cpu_isa"])
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert line["commit"].removesuffix("+dirty") == head
 
 
 def test_tensorboard_tags(tiny_run):
@@ -350,6 +371,11 @@ def test_killed_run_resumes_step_for_step(tmp_path):
     assert 8 <= done[-1] < 40
 
     finish(cli(tmp_path / "killed", resume=True, **changes))
+    starts = [json.loads(s) for s in (tmp_path / "killed" / "environment.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in starts][0] == 0 and len(starts) == 2
+    assert 8 <= starts[1]["step"] <= done[-1] and starts[1]["step"] % 4 == 0
+    assert all(s["variables"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+               for s in starts)
     whole, resumed = records(tmp_path / "whole"), records(tmp_path / "killed")
     assert [r["step"] for r in resumed] == [r["step"] for r in whole]
     for a, b in zip(resumed, whole):

@@ -11,10 +11,10 @@ on the others it trains with (tested: two replicas together equal each alone). A
 trains unbatched: the replica axis of `jax.vmap` turns the gathers of the tied embedding and of
 the loss into batched gathers, which cost a small model's step about 10% in transposes on a GPU.
 
-Per replica, as a plain run: <point>/config.json, metrics.jsonl, tensorboard/, and at the end
-metrics.json and checkpoints/<its last step> (its parameters, read by `analysis.load_run`,
-palimpsa-analyze and palimpsa-eval). Per group: <group>/checkpoints/<step> (the stacked
-state), so an interrupted grid resumes from its last checkpoint.
+Per replica, as a plain run: <point>/config.json, metrics.jsonl, environment.jsonl, tensorboard/,
+and at the end metrics.json and checkpoints/<its last step> (its parameters, read by
+`analysis.load_run`, palimpsa-analyze and palimpsa-eval). Per group: <group>/checkpoints/<step>
+(the stacked state), so an interrupted grid resumes from its last checkpoint.
 
 Data order: pass p over the N training examples is the permutation of `fold_in(seed, p)`, cut
 into N // B full batches (the remainder of a pass is left out of that pass); schedules and
@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from palimpsa_jax.data.mqar import IGNORE, MQARSource
 from palimpsa_jax.models import CausalLM, weight_decay_mask
-from palimpsa_jax.training import checkpoint, metrics, optim
+from palimpsa_jax.training import checkpoint, environment, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 from palimpsa_jax.training.trainer import flop_rate, scored_metrics, token_metrics
 
@@ -305,6 +305,7 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
             writer.truncate(start)
     else:
         start, state = 0, group.init_state()
+    environment.record(run_dirs, start)
     steps, stop_at = c.train.steps, c.train.get("early_stop_accuracy")
     finals = [{} for _ in points]
     done = np.asarray(state["done"])

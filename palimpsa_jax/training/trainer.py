@@ -8,7 +8,8 @@ loop: periodic evaluation (optionally stopping early), diagnostics, logging and 
 checkpoints of the state and of the data iterator.
 
 Files in the workdir: config.json (the resolved config), checkpoints/<step>/, tensorboard/,
-metrics.jsonl (every logged step), metrics.json (final metrics).
+metrics.jsonl (every logged step), metrics.json (final metrics), environment.jsonl (machine and
+versions, one line per process start).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from palimpsa_jax import data, sharding
 from palimpsa_jax.data.tokenizer import Tokenizer
 from palimpsa_jax.models import CausalLM, count_params, flops, weight_decay_mask
-from palimpsa_jax.training import checkpoint, diagnostics, metrics, optim
+from palimpsa_jax.training import checkpoint, diagnostics, environment, metrics, optim
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 
 Array = jax.Array
@@ -360,6 +361,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                 writer.truncate(start)
             else:
                 start, state = 0, trainer.init_state()
+            if lead:
+                environment.record([workdir], start)
             progress = tqdm(total=steps, initial=start, disable=not (lead and c.log.progress),
                             dynamic_ncols=True, desc=workdir.name)
             tokens_per_step = c.batch_size * c.data.seq_len
