@@ -72,7 +72,6 @@ import datetime
 import gc
 import gzip
 import importlib
-import importlib.metadata
 import json
 import math
 import os
@@ -97,7 +96,7 @@ from benchmarks.mqar_step_profile import median_ms
 from palimpsa_jax import kernels, sharding
 from palimpsa_jax.experiments.lm import palimpsa_d as lm_experiment
 from palimpsa_jax.models import count_params, flops, preset
-from palimpsa_jax.training import Trainer, model_fields
+from palimpsa_jax.training import Trainer, environment, model_fields
 
 MODELS = ("palimpsa_d", "gated_deltanet", "mamba2", "transformer")
 SIZES = ("170m", "340m", "760m")
@@ -667,13 +666,7 @@ class Budget:
 def versions() -> dict[str, str]:
     names = ("jax", "jaxlib", "flax", "optax", "torch", "triton", "transformers",
              "flash-linear-attention", "fla-core")
-    found = {"python": platform.python_version()}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return found
+    return {"python": platform.python_version(), **environment.versions(names)}
 
 
 def setup_lines(args, fla_reason: str | None) -> list[str]:

@@ -372,7 +372,7 @@ def test_killed_run_resumes_step_for_step(tmp_path):
 
     finish(cli(tmp_path / "killed", resume=True, **changes))
     starts = [json.loads(s) for s in (tmp_path / "killed" / "environment.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in starts][0] == 0 and len(starts) == 2
+    assert len(starts) == 2 and starts[0]["step"] == 0
     assert 8 <= starts[1]["step"] <= done[-1] and starts[1]["step"] % 4 == 0
     assert all(s["variables"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
                for s in starts)

@@ -54,14 +54,19 @@ def _commit() -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
-def describe() -> dict:
-    """This process's machine and software as a JSON-able dict."""
-    versions = {}
-    for name in PACKAGES:
+def versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
+    """{distribution name: installed version} of those of `names` that are installed."""
+    found = {}
+    for name in names:
         try:
-            versions[name] = importlib.metadata.version(name)
+            found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    return found
+
+
+def describe() -> dict:
+    """This process's machine and software as a JSON-able dict."""
     cpu, isa = _cpu()
     return {
         "python": platform.python_version(),
@@ -71,7 +76,7 @@ def describe() -> dict:
         "cpu_count": os.cpu_count(),
         "devices": dict(Counter(d.device_kind for d in jax.devices())),
         "process_count": jax.process_count(),
-        "packages": versions,
+        "packages": versions(),
         "commit": _commit(),
         "variables": {k: v for k, v in sorted(os.environ.items())
                       if k.startswith(("XLA_", "JAX_"))},
