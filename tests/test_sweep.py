@@ -2,8 +2,10 @@
 (equal to each alone, early stop and resume per replica), results, and the command line."""
 import csv
 import json
+import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -218,6 +220,46 @@ def test_an_interrupted_group_resumes(tmp_path):
     for d in dirs:      # one line per start: the fresh one, then the resume from step 4
         starts = [json.loads(s) for s in (d / "environment.jsonl").read_text().splitlines()]
         assert [s["step"] for s in starts] == [0, 4]
+    for a, b in zip(resumed, whole):
+        assert a["eval/accuracy"] == b["eval/accuracy"] and a["step"] == b["step"] == 6
+
+
+def test_sigterm_stops_a_group_after_its_step_and_it_resumes(tmp_path, monkeypatch):
+    """SIGTERM during step 3 (between the periodic checkpoints of steps 2 and 4): the group
+    writes its checkpoint of step 3, raises Preempted and puts the previous handler back; run
+    again, it ends with the losses and accuracies of an uninterrupted group."""
+    points = [tiny(0, 1e-2), tiny(1, 1e-2)]
+    whole = replicas.train_group(points, [tmp_path / "a", tmp_path / "b"], tmp_path / "g")
+    expected = [losses(tmp_path / d) for d in ("a", "b")]
+
+    class SignalledAtStep3(replicas.ReplicaGroup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            train_step, calls = self.train_step, []
+
+            def step(state, orders):
+                calls.append(1)
+                if len(calls) == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return train_step(state, orders)
+            self.train_step = step
+
+    monkeypatch.setattr(replicas, "ReplicaGroup", SignalledAtStep3)
+    dirs, handler = [tmp_path / "c", tmp_path / "d"], signal.getsignal(signal.SIGTERM)
+    with pytest.raises(replicas.preemption.Preempted, match="SIGTERM after step 3: checkpoint "
+                       "written in") as stopped:
+        replicas.train_group(points, dirs, tmp_path / "g2")
+    assert stopped.value.step == 3 and signal.getsignal(signal.SIGTERM) == handler
+    assert max(int(p.name) for p in (tmp_path / "g2" / "checkpoints").iterdir()) == 3
+    assert [losses(d) for d in dirs] == [e[:3] for e in expected]
+    assert not any((d / "metrics.json").exists() for d in dirs)
+
+    monkeypatch.undo()
+    resumed = replicas.train_group(points, dirs, tmp_path / "g2")
+    assert [losses(d) for d in dirs] == expected
+    for d in dirs:
+        starts = [json.loads(s)["step"] for s in (d / "environment.jsonl").read_text().splitlines()]
+        assert starts == [0, 3]
     for a, b in zip(resumed, whole):
         assert a["eval/accuracy"] == b["eval/accuracy"] and a["step"] == b["step"] == 6
 

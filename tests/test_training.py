@@ -11,6 +11,7 @@ import pathlib
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -352,44 +353,117 @@ def test_eight_devices_match_one(tmp_path, one_device_run, data4_tensor2_run):
         assert final["eval/accuracy"] == pytest.approx(eval_accuracy(one_device_run, 4), abs=1e-6)
 
 
-def test_killed_run_resumes_step_for_step(tmp_path):
+INTERRUPTED = {"train.steps": 40, "checkpoint.every_steps": 4, "eval.every_steps": 20,
+               "log.diagnostics_every_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """The uninterrupted 40-step run that the interrupted ones are compared with."""
+    workdir = tmp_path_factory.mktemp("whole")
+    finish(cli(workdir, **INTERRUPTED))
+    return workdir
+
+
+def wait_for(path: pathlib.Path, process: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while not path.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def assert_resumes_as_uninterrupted(workdir, whole, **changes):
+    """--resume of the run in workdir gives the uninterrupted run's metrics at every step,
+    in metrics.jsonl and in TensorBoard (every step once)."""
+    finish(cli(workdir, resume=True, **changes))
+    resumed, expected = records(workdir), records(whole)
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected]
+    for a, b in zip(resumed, expected):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-6, err_msg=str(a["step"]))
+    for tag in ("train/loss", "eval/accuracy"):
+        events = [EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0},
+                                   purge_orphaned_data=False).Reload().Scalars(tag)
+                  for run in (workdir, whole)]
+        steps = [e.step for e in events[0]]
+        assert steps == [e.step for e in events[1]] and len(steps) == len(set(steps)), tag
+        np.testing.assert_allclose([e.value for e in events[0]], [e.value for e in events[1]],
+                                   rtol=1e-6)
+
+
+def test_killed_run_resumes_step_for_step(tmp_path, whole_run):
     """SIGKILL after the checkpoint of step 8, then --resume: the same metrics at every step as
     an uninterrupted run (data iterator included)."""
-    changes = {"train.steps": 40, "checkpoint.every_steps": 4, "eval.every_steps": 20,
-               "log.diagnostics_every_steps": 0}
-    finish(cli(tmp_path / "whole", **changes))
-
-    killed = cli(tmp_path / "killed", **changes)
-    checkpoint = tmp_path / "killed" / "checkpoints" / "8"
-    deadline = time.time() + 300
-    while not checkpoint.exists() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    killed = cli(tmp_path, **INTERRUPTED)
+    wait_for(tmp_path / "checkpoints" / "8", killed)
     killed.send_signal(signal.SIGKILL)
     killed.communicate()
     assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = [r["step"] for r in records(tmp_path / "killed") if "train/loss" in r]
+    done = [r["step"] for r in records(tmp_path) if "train/loss" in r]
     assert 8 <= done[-1] < 40
 
-    finish(cli(tmp_path / "killed", resume=True, **changes))
-    starts = [json.loads(s) for s in (tmp_path / "killed" / "environment.jsonl").read_text().splitlines()]
+    assert_resumes_as_uninterrupted(tmp_path, whole_run, **INTERRUPTED)
+    starts = [json.loads(s) for s in (tmp_path / "environment.jsonl").read_text().splitlines()]
     assert len(starts) == 2 and starts[0]["step"] == 0
     assert 8 <= starts[1]["step"] <= done[-1] and starts[1]["step"] % 4 == 0
     assert all(s["variables"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
                for s in starts)
-    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "killed")
-    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
-    for a, b in zip(resumed, whole):
-        assert a.keys() == b.keys()
-        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-6, err_msg=str(a["step"]))
-    # TensorBoard holds every step once, with the uninterrupted run's values
-    for tag in ("train/loss", "eval/accuracy"):
-        events = {run: EventAccumulator(str(tmp_path / run / "tensorboard"), size_guidance={
-            "scalars": 0}, purge_orphaned_data=False).Reload().Scalars(tag)
-                  for run in ("whole", "killed")}
-        steps = [e.step for e in events["killed"]]
-        assert steps == [e.step for e in events["whole"]] and len(steps) == len(set(steps)), tag
-        np.testing.assert_allclose([e.value for e in events["killed"]],
-                                   [e.value for e in events["whole"]], rtol=1e-6)
+
+
+def test_sigterm_writes_a_checkpoint_and_resumes_step_for_step(tmp_path, whole_run):
+    """SIGTERM mid-run (no periodic checkpoints): the run writes a checkpoint after the step it
+    is in, exits with status 143 and one line saying so; --resume continues from that step with
+    the uninterrupted run's metrics."""
+    changes = {**INTERRUPTED, "checkpoint.every_steps": 0}
+    stopped = cli(tmp_path, **changes)
+    wait_for(tmp_path / "environment.jsonl", stopped)     # written once the handler is in place
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=600)
+    assert stopped.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    step = int(checkpoint.name)
+    assert 1 <= step < 40
+    assert f"stopped: SIGTERM after step {step}: checkpoint written in" in err
+    assert [r["step"] for r in records(tmp_path) if "train/loss" in r] == list(range(1, step + 1))
+    assert not (tmp_path / "metrics.json").exists()
+
+    assert_resumes_as_uninterrupted(tmp_path, whole_run, **changes)
+    starts = [json.loads(s)["step"] for s in (tmp_path / "environment.jsonl").read_text().splitlines()]
+    assert starts == [0, step]
+
+
+PREEMPTED_PROCESS = """
+import sys, time
+import jax
+jax.distributed.initialize(f"localhost:{sys.argv[1]}", 2, int(sys.argv[2]))
+from palimpsa_jax.training import preemption
+with preemption.StopOnSigterm() as sigterm:
+    print("ready", flush=True)
+    step = next(s for s in range(1, 100_000) if time.sleep(0.01) or sigterm.requested(s))
+print("stop", step)
+"""
+
+
+def test_processes_of_a_run_stop_at_the_same_step_on_sigterm():
+    """Two processes of one jax.distributed run, SIGTERM to one of them: both are told to stop,
+    at the same step (JAX's preemption service; no handler of ours replaces its notifier)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    processes = [subprocess.Popen([sys.executable, "-c", PREEMPTED_PROCESS, str(port), str(i)],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in processes] == ["ready", "ready"]
+        time.sleep(0.5)
+        processes[1].send_signal(signal.SIGTERM)
+        results = [p.communicate(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in results]
+    (stop,) = {out.strip() for out, _ in results}
+    assert stop.startswith("stop ") and int(stop.split()[1]) > 1
 
 
 def test_language_model_on_a_local_corpus(tmp_path):

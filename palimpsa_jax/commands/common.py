@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from absl import app, flags, logging
 
+from palimpsa_jax.training import preemption
 from palimpsa_jax.training.checkpoint import CheckpointError
 from palimpsa_jax.training.config import ConfigError
 
@@ -55,7 +56,8 @@ def quiet_logging() -> None:
 def run(main: Callable[[], None]) -> None:
     """app.run(main) with our flag parsing and quiet logging; positional arguments are a usage
     error; a ConfigError, CheckpointError or missing file ends the program with status 2 and one
-    line `error: <message>` on stderr."""
+    line `error: <message>` on stderr; a run stopped by SIGTERM (its checkpoint written) with
+    status 143 and one line `stopped: <message>`."""
     def guarded(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -66,5 +68,8 @@ def run(main: Callable[[], None]) -> None:
             message = str(e).replace("\n", "; ")
             sys.stderr.write(f"error: {message}\n")
             sys.exit(2)
+        except preemption.Preempted as e:
+            sys.stderr.write(f"stopped: {e}\n")
+            sys.exit(preemption.EXIT_STATUS)
 
     app.run(guarded, flags_parser=parse_flags)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from palimpsa_jax.data.mqar import IGNORE, MQARSource
 from palimpsa_jax.models import CausalLM, weight_decay_mask
-from palimpsa_jax.training import checkpoint, environment, metrics, optim
+from palimpsa_jax.training import checkpoint, environment, metrics, optim, preemption
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 from palimpsa_jax.training.trainer import flop_rate, scored_metrics, token_metrics
 
@@ -285,7 +285,9 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                 group_dir: pathlib.Path, *, cache_dir: pathlib.Path | None = None,
                 desc: str = "replicas") -> list[dict]:
     """Trains the points (one group) to the end or their early stop, resuming from the group's
-    last checkpoint; returns each replica's final metrics (also its run dir's metrics.json)."""
+    last checkpoint; returns each replica's final metrics (also its run dir's metrics.json).
+    On SIGTERM it writes the group's checkpoint after the current step and raises
+    `preemption.Preempted`."""
     group = ReplicaGroup(points, cache_dir=cache_dir)
     c = group.config
     writers = []
@@ -313,52 +315,56 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                     disable=not c.log.progress)
     clock, clock_step = time.perf_counter(), start
     try:
-        for step in range(start + 1, steps + 1):
-            if done.all():       # stopped early (also when resumed at that stop)
-                break
-            state, step_metrics = group.train_step(state, group.pass_orders(step - 1))
-            progress.update(1)
-            is_last = step == steps
-            if _is_due(step, c.log.every_steps, is_last):
-                values = jax.device_get(step_metrics)
-                now = time.perf_counter()
-                seconds_per_step = (now - clock) / max(step - clock_step, 1)
-                clock, clock_step = now, step
-                tokens_per_s = c.batch_size * c.data.seq_len / seconds_per_step
-                speed = {"train/seconds_per_step": seconds_per_step,
-                         "train/tokens_per_s": tokens_per_s}
-                # the device's MFU: the tokens of all R replicas (a stopped one still computes)
-                mfu = group.flop_rate.mfu(group.num * tokens_per_s)
-                if mfu is not None:
-                    speed["train/mfu"] = mfu
-                for r, writer in enumerate(writers):
-                    if not done[r]:
-                        writer.scalars(step, {**{f"train/{k}": v[r] for k, v in values.items()},
-                                              **speed})
-                        finals[r].update({f"train/{k}": float(v[r]) for k, v in values.items()})
-                        finals[r].update(speed)
-                progress.set_postfix(running=f"{int((~done).sum())}/{group.num}",
-                                     s_step=f"{seconds_per_step:.3g}",
-                                     **({} if mfu is None else {"mfu": f"{mfu:.1%}"}))
-            if _is_due(step, c.eval.every_steps, is_last):
-                results = group.evaluate(state)
-                stopping = np.zeros(group.num, bool)
-                for r, writer in enumerate(writers):
-                    if done[r]:
-                        continue
-                    writer.scalars(step, results[r])
-                    finals[r].update(results[r])
-                    if stop_at is not None and results[r]["eval/accuracy"] > stop_at:
-                        stopping[r] = True
-                if stopping.any():
-                    done = done | stopping
-                    state["done"] = jnp.asarray(done)
-                    state["stopped_at"] = jnp.where(jnp.asarray(stopping), step,
-                                                    state["stopped_at"])
-            if ckpt.due(step, force=is_last or bool(done.all())):
-                for writer in writers:
-                    writer.flush()
-                ckpt.save(step, state, {}, force=True)
+        with preemption.StopOnSigterm() as sigterm:
+            for step in range(start + 1, steps + 1):
+                if done.all():       # stopped early (also when resumed at that stop)
+                    break
+                state, step_metrics = group.train_step(state, group.pass_orders(step - 1))
+                progress.update(1)
+                is_last = step == steps
+                if _is_due(step, c.log.every_steps, is_last):
+                    values = jax.device_get(step_metrics)
+                    now = time.perf_counter()
+                    seconds_per_step = (now - clock) / max(step - clock_step, 1)
+                    clock, clock_step = now, step
+                    tokens_per_s = c.batch_size * c.data.seq_len / seconds_per_step
+                    speed = {"train/seconds_per_step": seconds_per_step,
+                             "train/tokens_per_s": tokens_per_s}
+                    # the device's MFU: the tokens of all R replicas (a stopped one still computes)
+                    mfu = group.flop_rate.mfu(group.num * tokens_per_s)
+                    if mfu is not None:
+                        speed["train/mfu"] = mfu
+                    for r, writer in enumerate(writers):
+                        if not done[r]:
+                            writer.scalars(step, {**{f"train/{k}": v[r] for k, v in values.items()},
+                                                  **speed})
+                            finals[r].update({f"train/{k}": float(v[r]) for k, v in values.items()})
+                            finals[r].update(speed)
+                    progress.set_postfix(running=f"{int((~done).sum())}/{group.num}",
+                                         s_step=f"{seconds_per_step:.3g}",
+                                         **({} if mfu is None else {"mfu": f"{mfu:.1%}"}))
+                if _is_due(step, c.eval.every_steps, is_last):
+                    results = group.evaluate(state)
+                    stopping = np.zeros(group.num, bool)
+                    for r, writer in enumerate(writers):
+                        if done[r]:
+                            continue
+                        writer.scalars(step, results[r])
+                        finals[r].update(results[r])
+                        if stop_at is not None and results[r]["eval/accuracy"] > stop_at:
+                            stopping[r] = True
+                    if stopping.any():
+                        done = done | stopping
+                        state["done"] = jnp.asarray(done)
+                        state["stopped_at"] = jnp.where(jnp.asarray(stopping), step,
+                                                        state["stopped_at"])
+                preempted = sigterm.requested(step)
+                if ckpt.due(step, force=is_last or bool(done.all()) or preempted):
+                    for writer in writers:
+                        writer.flush()
+                    ckpt.save(step, state, {}, force=True)
+                if preempted and not (is_last or done.all()):
+                    raise preemption.Preempted(step, ckpt.directory)
     finally:
         progress.close()
         ckpt.close()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from palimpsa_jax import data, sharding
 from palimpsa_jax.data.tokenizer import Tokenizer
 from palimpsa_jax.models import CausalLM, count_params, flops, weight_decay_mask
-from palimpsa_jax.training import checkpoint, diagnostics, environment, metrics, optim
+from palimpsa_jax.training import checkpoint, diagnostics, environment, metrics, optim, preemption
 from palimpsa_jax.training.config import ConfigError, changed_keys, check_config
 
 Array = jax.Array
@@ -334,7 +334,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                        resume: bool = False) -> dict[str, float]:
     """Trains config.train.steps steps (continuing from the last checkpoint if resume; stopping
     at the first evaluation whose accuracy exceeds train.early_stop_accuracy, if set) and returns
-    the final metrics (also written to workdir/metrics.json)."""
+    the final metrics (also written to workdir/metrics.json). On SIGTERM it writes a checkpoint
+    after the current step and raises `preemption.Preempted`."""
     maybe_initialize_distributed()
     workdir = pathlib.Path(workdir)
     trainer = Trainer(config)                        # validates the config first
@@ -354,7 +355,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     final, last = {}, {}
     progress = None
     try:
-        with sharding.use_mesh(trainer.mesh, trainer.rules):   # kernels run per shard
+        with (sharding.use_mesh(trainer.mesh, trainer.rules),    # kernels run per shard
+              preemption.StopOnSigterm() as sigterm):
             if resume:
                 start, state, data_state = ckpt.restore(trainer.abstract_state)
                 batches.set_state(data_state)
@@ -398,12 +400,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                     writer.scalars(step, results)
                     final.update(results)
                     stop = stop_at is not None and results.get("eval/accuracy", 0.0) > stop_at
-                if ckpt.due(step, force=is_last or stop):
+                preempted = sigterm.requested(step)
+                if ckpt.due(step, force=is_last or stop or preempted):
                     writer.flush()     # what a crash loses ends at the checkpoint, in TensorBoard too
                     ckpt.save(step, state, batches.get_state(), force=True)
                 if stop:
                     final["train/stopped_early"] = 1.0
                     break
+                if preempted and not is_last:
+                    raise preemption.Preempted(step, ckpt.directory)
             if step == start:   # resumed at the end: only the final metrics are due
                 final.update(trainer.evaluate(state))
                 last = next((r for r in reversed(writer.records()) if "train/loss" in r), {})
