@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -244,12 +245,17 @@ def test_sigterm_stops_a_group_after_its_step_and_it_resumes(tmp_path, monkeypat
                 return train_step(state, orders)
             self.train_step = step
 
+    def event_writer_threads():
+        return [t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"]
+
     monkeypatch.setattr(replicas, "ReplicaGroup", SignalledAtStep3)
     dirs, handler = [tmp_path / "c", tmp_path / "d"], signal.getsignal(signal.SIGTERM)
+    writer_threads = event_writer_threads()
     with pytest.raises(replicas.preemption.Preempted, match="SIGTERM after step 3: checkpoint "
                        "written in") as stopped:
         replicas.train_group(points, dirs, tmp_path / "g2")
     assert stopped.value.step == 3 and signal.getsignal(signal.SIGTERM) == handler
+    assert event_writer_threads() == writer_threads      # its TensorBoard writers are closed
     assert max(int(p.name) for p in (tmp_path / "g2" / "checkpoints").iterdir()) == 3
     assert [losses(d) for d in dirs] == [e[:3] for e in expected]
     assert not any((d / "metrics.json").exists() for d in dirs)

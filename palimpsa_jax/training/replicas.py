@@ -365,6 +365,10 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                     ckpt.save(step, state, {}, force=True)
                 if preempted and not (is_last or done.all()):
                     raise preemption.Preempted(step, ckpt.directory)
+    except BaseException:
+        for writer in writers:
+            writer.close()
+        raise
     finally:
         progress.close()
         ckpt.close()
