@@ -365,13 +365,11 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
                     ckpt.save(step, state, {}, force=True)
                 if preempted and not (is_last or done.all()):
                     raise preemption.Preempted(step, ckpt.directory)
-    except BaseException:
-        for writer in writers:
-            writer.close()
-        raise
     finally:
         progress.close()
         ckpt.close()
+        for writer in writers:
+            writer.close()
     stopped_at = np.asarray(state["stopped_at"])
     for r, (writer, run_dir) in enumerate(zip(writers, run_dirs)):
         if not finals[r]:   # resumed at its end: the last logged values
@@ -381,8 +379,6 @@ def train_group(points: Sequence[ml_collections.ConfigDict], run_dirs: Sequence[
         if stopped_at[r]:
             finals[r]["train/stopped_early"] = 1.0
         _save_replica(state, r, finals[r]["step"], run_dir)
-        writer.flush()
-        writer.close()
         writer.final(finals[r])
     return finals
 
